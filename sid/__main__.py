@@ -1,0 +1,3 @@
+from sid.entrypoints.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Engine: requests in, committed tokens out (scheduler, KV-cache bookkeeping, request state)."""

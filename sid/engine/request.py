@@ -1,0 +1,97 @@
+"""Per-request state, owned by the engine and advanced by the scheduler."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from sid.outputs import PositionLogprobs
+from sid.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt, how to continue it, and how far it got.
+
+    ``token_ids`` holds the prompt followed by every generated token; the K/V of the first
+    ``num_computed_tokens`` of them is in the cache. Whenever every token is computed
+    except the last, the next step samples one more.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_tokens: int
+    eos_token_ids: frozenset[int]
+    arrival: int
+    cache_salt: str | None = None
+    domain: str = "fast"
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Still owes logprobs for some prompt positions (computed rows must give logits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def may_read_prefix_cache(self) -> bool:
+        """Prompt logprobs need logits at every prompt position, so such requests compute all."""
+        return self.prompt_logprobs is None
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """Leading tokens whose K/V is final and may be shared through the prefix cache."""
+        return self.num_computed_tokens
+
+    def cache_keys(self) -> tuple[str, ...]:
+        """Extra keys of this request's block hashes: numerics domain and cache salt."""
+        return (self.domain, self.cache_salt or "")

@@ -1,0 +1,1 @@
+"""Kernels: Triton kernels and the torch references they are tested against."""

@@ -1,0 +1,141 @@
+"""Torch references for the paged KV cache: the KV store and paged attention.
+
+Layout shared by every backend and kernel:
+
+* ``k_cache`` / ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``; the
+  token at absolute position ``p`` of a sequence lives in slot
+  ``block_table[p // block_size] * block_size + p % block_size``.
+* A step is a flat batch of ``N`` query tokens from ``S`` sequences; sequence ``s`` owns
+  query rows ``query_start_loc[s] : query_start_loc[s + 1]``, which are its *last*
+  positions: row ``i`` sits at position ``seq_lens[s] - q_len[s] + (i - query_start_loc[s])``
+  and attends causally to keys ``0 .. position`` read from the cache (written first).
+
+These functions are the numerical ground truth for the Triton kernels and the CPU
+attention backend. ``paged_attention_canonical_ref`` is the canonical schedule of the
+numerics contract (DESIGN 3.1): keys in tiles aligned to absolute positions, combined by
+online softmax in a fixed order, so a row's output depends only on its own position and
+keys, never on the other rows or on how many tiles the batch needed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CANONICAL_KV_TILE = 64
+"""Keys per tile of the canonical schedule; part of the numerics fingerprint."""
+
+
+def store_kv_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[N, kv_heads, head_dim]`` into their slots; slot -1 is skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+
+
+def query_positions(seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row: (sequence index, absolute position)."""
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    seq_idx = torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), q_lens)
+    row = torch.arange(int(query_start_loc[-1]), device=q_lens.device)
+    pos = seq_lens[seq_idx] - q_lens[seq_idx] + (row - query_start_loc[seq_idx])
+    return seq_idx, pos
+
+
+def _slots(block_tables: torch.Tensor, seq_idx: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slot of each (sequence, position); positions past the table clamp to block 0's slot."""
+    block_col = torch.clamp(pos // block_size, max=block_tables.shape[1] - 1)
+    block = block_tables[seq_idx, block_col].long().clamp(min=0)
+    return block * block_size + pos % block_size
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Fast-schedule reference: per sequence, gather its keys and run SDPA (causal, GQA)."""
+    num_heads = q.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    flat_k = k_cache.view(-1, num_kv_heads, k_cache.shape[3])
+    flat_v = v_cache.view(-1, num_kv_heads, v_cache.shape[3])
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for s, ctx in enumerate(lens):
+        q_start, q_end = starts[s], starts[s + 1]
+        if q_end == q_start:
+            continue
+        pos = torch.arange(ctx, device=q.device)
+        slots = _slots(block_tables, torch.full_like(pos, s), pos, block_size)
+        k = flat_k[slots].transpose(0, 1).to(q.dtype)  # [kvh, ctx, d]
+        v = flat_v[slots].transpose(0, 1).to(q.dtype)
+        qs = q[q_start:q_end].transpose(0, 1)  # [h, n, d]
+        n = q_end - q_start
+        q_pos = torch.arange(ctx - n, ctx, device=q.device)
+        mask = pos[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            qs, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+        )
+        out[q_start:q_end] = o.transpose(0, 1)
+    return out
+
+
+def paged_attention_canonical_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    tile: int = CANONICAL_KV_TILE,
+) -> torch.Tensor:
+    """Canonical-schedule reference: fixed tiles at absolute positions, fixed combine order.
+
+    All rows advance through tile ``t = 0, 1, ...`` together; a tile entirely past a row's
+    position is an exact no-op for it (its scores are -inf, so the running max, sum and
+    accumulator are unchanged bit for bit). Every op runs on the whole batch of rows, so at
+    a fixed row count (the canonical pass) a row cannot see its neighbours.
+    """
+    n, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    seq_idx, pos = query_positions(seq_lens, query_start_loc)
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    qf = (q.float() * scale).view(n, num_kv_heads, group, head_dim)
+    m = torch.full((n, num_kv_heads, group), float("-inf"), device=q.device)
+    denom = torch.zeros((n, num_kv_heads, group), device=q.device)
+    acc = torch.zeros((n, num_kv_heads, group, head_dim), device=q.device)
+    num_tiles = (int(pos.max()) // tile + 1) if n else 0
+    offsets = torch.arange(tile, device=q.device)
+    for t in range(num_tiles):
+        key_pos = t * tile + offsets  # [tile]
+        kp = key_pos[None, :].expand(n, tile)
+        slots = _slots(block_tables, seq_idx[:, None].expand(n, tile), kp, block_size)
+        k = flat_k[slots].float().permute(0, 2, 3, 1)  # [n, kvh, d, tile]
+        v = flat_v[slots].float().permute(0, 2, 1, 3)  # [n, kvh, tile, d]
+        scores = torch.matmul(qf, k)  # [n, kvh, group, tile]
+        valid = (kp <= pos[:, None])[:, None, None, :]
+        scores = scores.masked_fill(~valid, float("-inf"))
+        m_new = torch.maximum(m, scores.amax(dim=-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(scores - m_safe[..., None])
+        alpha = torch.exp(m - m_safe)
+        denom = denom * alpha + p.sum(dim=-1)
+        acc = acc * alpha[..., None] + torch.matmul(p, v)
+        m = m_new
+    out = acc / denom[..., None]
+    return out.view(n, num_heads, head_dim).to(q.dtype)

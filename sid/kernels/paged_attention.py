@@ -1,0 +1,424 @@
+"""Triton paged attention: varlen, causal, GQA, mixed prefill chunks and decodes in one launch.
+
+Layout and semantics are those of ``sid.kernels.attention_ref`` (the torch references).
+
+One kernel body serves both schedules. A program owns one *query block* (``BLOCK_Q``
+consecutive query rows of one sequence, times the ``GROUP`` query heads that share one KV
+head, packed into ``BLOCK_M`` rows so K/V are read once per KV head) and one KV *split*
+(keys ``[split * split_size, (split + 1) * split_size)``). It walks that range in tiles of
+``TILE`` keys aligned to absolute positions, with an online softmax in increasing tile
+order. A row whose keys all lie in split 0 is finished there and written directly; other
+rows leave per-split partials (max, sum, accumulator) that ``_combine_kernel`` merges in
+increasing split order.
+
+* Fast schedule (``canonical=False``): block shape, tile and split size are chosen from the
+  batch (small BLOCK_M for decode-only steps; split-KV only when the grid would otherwise
+  leave the GPU idle, flash-decoding style).
+* Canonical schedule (``canonical=True``, DESIGN 3.1): every constant is fixed
+  (``CANONICAL_CONFIG``), so a row's arithmetic is a function of its own position and keys
+  only. Tiles and splits never start before the row's first key and tiles past its last key
+  are exact no-ops (scores -inf, rescale factor forced to 1), so neither the rows that share
+  its query block nor the number of tiles/splits the batch needs can change its bits.
+  Integer arguments that depend on the batch are not specialised by Triton, so every batch
+  runs the same compiled kernel.
+
+Floor: attention is memory-bound for decode; a step cannot beat
+``(K + V bytes read + Q bytes read + O bytes written) / HBM bandwidth``, i.e. per sequence
+``2 * seq_len * kv_heads * head_dim * cache bytes`` plus ``2 * q_rows * heads * head_dim *
+q bytes``, over ~3.7 TB/s on the H200 (Llama-3.1-8B, bf16, 8192 keys: 32 MiB, ~9 us per
+sequence and layer). Split-KV partials add ``q_rows * heads * splits * (head_dim + 2) * 8``
+bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from sid.kernels.attention_ref import CANONICAL_KV_TILE
+
+CANONICAL_CONFIG: dict[str, int] = {
+    "block_m": 64,
+    "kv_tile": CANONICAL_KV_TILE,
+    "kv_split": 512,
+    "num_warps": 4,
+    "num_stages": 2,
+}
+"""Fixed launch constants of the canonical schedule; part of the numerics fingerprint.
+
+``block_m`` is raised to the next power of two of the GQA group when the group is larger
+(a function of the model, never of the batch). Split boundaries sit at multiples of
+``kv_split`` absolute positions; tiles at multiples of ``kv_tile``.
+"""
+
+_COMBINE_NUM_WARPS = 4
+_FAST_MIN_SPLIT_KEYS = 256
+"""Fast schedule: a split is never shorter than this, so the partials stay cheap."""
+_FAST_PROGRAMS_PER_SM = 4
+_NOMINAL_SMS = 8
+"""Stand-in multiprocessor count off CUDA (the interpreter), so CPU runs exercise split-KV."""
+
+
+class _Schedule(NamedTuple):
+    block_m: int
+    kv_tile: int
+    split_size: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """Sequence owning ``q_block``: the last s with ``query_start_loc[s] // BLOCK_Q + s <= q_block``.
+
+    Sequence s owns blocks ``[qsl[s] // BLOCK_Q + s, qsl[s + 1] // BLOCK_Q + s + 1)``, at least
+    ``cdiv(q_len, BLOCK_Q)`` of them, so a grid of ``N // BLOCK_Q + S`` blocks covers every row
+    without reading lengths on the host; surplus blocks exit at once.
+    """
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _block_rows(
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    num_seqs,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):
+    """Rows of this program's query block: sequence, flat token, head, validity and position.
+
+    Row ``m`` of the block is query row ``first + m // GROUP`` of the sequence, head
+    ``kv_head * GROUP + m % GROUP``. Rows past the sequence's queries repeat its last
+    position (their results are never stored), so no row is ever empty of keys.
+    """
+    q_block = tl.program_id(0)
+    seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first = (q_block - q_start // BLOCK_Q - seq) * BLOCK_Q
+    seq_len = tl.load(seq_lens_ptr + seq)
+    m = tl.arange(0, BLOCK_M)
+    row = first + m // GROUP
+    valid = (row < q_len) & (m < BLOCK_Q * GROUP)
+    token = (q_start + tl.minimum(row, q_len - 1)).to(tl.int64)
+    head = tl.program_id(1) * GROUP + m % GROUP
+    pos = seq_len - q_len + tl.minimum(row, q_len - 1)
+    last_pos = seq_len - q_len + tl.minimum(first + BLOCK_Q, q_len) - 1
+    return seq, first, q_len, token, head, valid, pos, last_pos
+
+
+@triton.jit(do_not_specialize=["num_seqs", "split_size", "num_splits", "stride_bt"])
+def _attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    qk_scale,
+    num_seqs,
+    split_size,
+    num_splits,
+    head_dim,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_bt,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE: tl.constexpr,
+    DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax attention of one query block over one KV split (see the module doc)."""
+    seq, first, q_len, token, head, valid, pos, last_pos = _block_rows(
+        query_start_loc_ptr, seq_lens_ptr, num_seqs, GROUP, BLOCK_M, BLOCK_Q
+    )
+    split_start = tl.program_id(2) * split_size
+    if (first >= q_len) | (split_start > last_pos):
+        return
+    kv_stop = tl.minimum(split_start + split_size, last_pos + 1)
+    kv_head = tl.program_id(1)
+    dims = tl.arange(0, DIM)
+    dim_ok = dims < head_dim
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd,
+        mask=valid[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    compute_dtype = q_ptr.dtype.element_ty
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM], tl.float32)
+    for tile_start in range(split_start, kv_stop, TILE):
+        keys = tile_start + tl.arange(0, TILE)
+        key_ok = keys < kv_stop
+        block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        offset = keys % BLOCK_SIZE
+        k = tl.load(
+            k_cache_ptr
+            + block[None, :] * stride_kb
+            + offset[None, :] * stride_ks
+            + kv_head * stride_kh
+            + dims[:, None] * stride_kd,
+            mask=key_ok[None, :] & dim_ok[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr
+            + block[:, None] * stride_vb
+            + offset[:, None] * stride_vs
+            + kv_head * stride_vh
+            + dims[None, :] * stride_vd,
+            mask=key_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        s = tl.dot(q, k.to(compute_dtype), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Forced to exactly 1 when the max is unchanged (e.g. a tile past the row's position).
+        alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(compute_dtype), v.to(compute_dtype), acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    out_mask = valid[:, None] & dim_ok[None, :]
+    complete = pos < split_size
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
+        (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+        mask=out_mask & complete[:, None],
+    )
+    partial = valid & (pos >= split_start) & ~complete
+    part = (token * tl.num_programs(1) * GROUP + head) * num_splits + tl.program_id(2)
+    tl.store(part_max_ptr + part, m_i, mask=partial)
+    tl.store(part_sum_ptr + part, l_i, mask=partial)
+    tl.store(part_acc_ptr + part[:, None] * DIM + dims[None, :], acc, mask=partial[:, None] & dim_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_seqs", "split_size", "num_splits"])
+def _combine_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_seqs,
+    split_size,
+    num_splits,
+    head_dim,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    DIM: tl.constexpr,
+):
+    """Merge the split partials of the rows that span several splits, in increasing split order."""
+    seq, first, q_len, token, head, valid, pos, last_pos = _block_rows(
+        query_start_loc_ptr, seq_lens_ptr, num_seqs, GROUP, BLOCK_M, BLOCK_Q
+    )
+    if (first >= q_len) | (last_pos < split_size):
+        return
+    dims = tl.arange(0, DIM)
+    dim_ok = dims < head_dim
+    row_splits = pos // split_size + 1
+    rows = valid & (row_splits > 1)
+    part = (token * tl.num_programs(1) * GROUP + head) * num_splits
+    m_i = tl.load(part_max_ptr + part, mask=rows, other=0.0)
+    l_i = tl.load(part_sum_ptr + part, mask=rows, other=1.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * DIM + dims[None, :], mask=rows[:, None] & dim_ok[None, :], other=0.0)
+    for split in range(1, last_pos // split_size + 1):
+        live = rows & (split < row_splits)
+        m_s = tl.load(part_max_ptr + part + split, mask=live, other=float("-inf"))
+        l_s = tl.load(part_sum_ptr + part + split, mask=live, other=0.0)
+        acc_s = tl.load(
+            part_acc_ptr + (part + split)[:, None] * DIM + dims[None, :],
+            mask=live[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        m_new = tl.maximum(m_i, m_s)
+        alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
+        beta = tl.exp2(m_s - m_new)
+        l_i = l_i * alpha + l_s * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        m_i = m_new
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
+        (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+        mask=rows[:, None] & dim_ok[None, :],
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _NOMINAL_SMS
+
+
+def _canonical_schedule(group: int) -> _Schedule:
+    """The fixed canonical launch: a function of the model (GQA group) only."""
+    cfg = CANONICAL_CONFIG
+    return _Schedule(
+        block_m=max(cfg["block_m"], triton.next_power_of_2(group)),
+        kv_tile=cfg["kv_tile"],
+        split_size=cfg["kv_split"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+
+
+def _fast_schedule(
+    num_tokens: int,
+    num_seqs: int,
+    group: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_seq_len: int,
+    device: torch.device,
+) -> _Schedule:
+    """Fastest launch for this batch: small query blocks for decode, split-KV if the grid is thin."""
+    decode_only = max_query_len == 1
+    block_m = max(16 if decode_only else 64, triton.next_power_of_2(group))
+    block_q = block_m // group
+    programs = min(num_seqs * triton.cdiv(max_query_len, block_q), num_tokens // block_q + num_seqs) * num_kv_heads
+    target = _FAST_PROGRAMS_PER_SM * _num_sms(device)
+    splits = max(1, min(triton.cdiv(target, programs), max_seq_len // _FAST_MIN_SPLIT_KEYS))
+    kv_tile = 64
+    split_size = triton.cdiv(triton.cdiv(max_seq_len, splits), kv_tile) * kv_tile
+    return _Schedule(block_m, kv_tile, split_size, num_warps=4, num_stages=2 if decode_only else 3)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    canonical: bool,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen paged attention of ``q`` ``[N, heads, head_dim]`` over the cache.
+
+    Semantics of ``paged_attention_ref`` (fast) / ``paged_attention_canonical_ref``
+    (``canonical=True``, bit-stable per row). ``max_query_len`` / ``max_seq_len`` are host
+    copies of the batch maxima; pass them to keep the launch free of device syncs (the
+    canonical schedule needs only ``max_seq_len``). Returns ``out`` (allocated if None).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    if canonical:
+        sched = _canonical_schedule(group)
+    else:
+        if max_query_len is None:
+            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+        sched = _fast_schedule(num_tokens, num_seqs, group, num_kv_heads, max_query_len, max_seq_len, q.device)
+    block_q = sched.block_m // group
+    num_splits = triton.cdiv(max_seq_len, sched.split_size)
+    dim = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, dim), dtype=torch.float32, device=q.device)
+        part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _attention_kernel[(*grid, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * 1.4426950408889634,
+        num_seqs,
+        sched.split_size,
+        num_splits,
+        head_dim,
+        *q.stride(),
+        *out.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        block_tables.stride(0),
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        BLOCK_M=sched.block_m,
+        BLOCK_Q=block_q,
+        TILE=sched.kv_tile,
+        DIM=dim,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=sched.num_warps,
+        num_stages=sched.num_stages,
+    )
+    if num_splits > 1:
+        _combine_kernel[grid](
+            out,
+            part_acc,
+            part_max,
+            part_sum,
+            seq_lens,
+            query_start_loc,
+            num_seqs,
+            sched.split_size,
+            num_splits,
+            head_dim,
+            *out.stride(),
+            GROUP=group,
+            BLOCK_M=sched.block_m,
+            BLOCK_Q=block_q,
+            DIM=dim,
+            num_warps=_COMBINE_NUM_WARPS,
+        )
+    return out

@@ -1,0 +1,1 @@
+"""Model: decoder definition, config parsing and weight loading."""

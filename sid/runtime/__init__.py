@@ -1,0 +1,1 @@
+"""Runtime: model runner, attention backends, sampling."""

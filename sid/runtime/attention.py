@@ -1,0 +1,116 @@
+"""Attention backends over the paged KV cache.
+
+A backend stores a layer's new K/V into the cache and then attends *from the cache*, for
+every row of a mixed step (prefill chunks and decodes together). Each backend offers the
+fast schedule and the canonical one (DESIGN 3.1); the caller picks per forward pass.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from sid.kernels.attention_ref import (
+    CANONICAL_KV_TILE,
+    paged_attention_canonical_ref,
+    paged_attention_ref,
+    store_kv_ref,
+)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's rows live in the cache; see ``sid.kernels.attention_ref`` for the layout."""
+
+    slot_mapping: torch.Tensor  # [N] int64, -1 = write nothing (padding rows)
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32, context length including this step's rows
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    max_query_len: int
+    max_seq_len: int
+    canonical: bool = False
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None: ...
+
+    @abstractmethod
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor: ...
+
+    @abstractmethod
+    def canonical_config(self) -> dict[str, object]:
+        """Constants that fix the canonical reduction order (part of the fingerprint)."""
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend: SDPA per sequence (fast), tiled online softmax (canonical)."""
+
+    name = "torch"
+
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        fn = paged_attention_canonical_ref if meta.canonical else paged_attention_ref
+        return fn(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+
+    def canonical_config(self) -> dict[str, object]:
+        return {"backend": self.name, "kv_tile": CANONICAL_KV_TILE}
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto`` is Triton on CUDA when it is importable, the torch reference otherwise."""
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchAttentionBackend()
+    if name in ("auto", "triton"):
+        from sid.runtime.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; use 'auto', 'torch' or 'triton'")
+
+
+class PagedKVCache:
+    """Per-layer K/V tensors ``[num_blocks, block_size, kv_heads, head_dim]`` and the backend."""
+
+    def __init__(
+        self,
+        backend: AttentionBackend,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.backend = backend
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # Zeros, not empty: masked-out keys in a tile must be finite (0 * NaN would leak).
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.scale = head_dim**-0.5
+        self.meta: AttentionMetadata | None = None
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The model's attention hook: cache first, then attention from the cache."""
+        assert self.meta is not None, "attention metadata must be set before the forward pass"
+        self.backend.store_kv(k, v, self.k[layer], self.v[layer], self.meta)
+        return self.backend.attend(q, self.k[layer], self.v[layer], self.meta, self.scale)
