@@ -71,6 +71,8 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     """A single prompt (text, token ids or dict) or a list of them, as a list."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+    if not isinstance(prompts, Sequence):
+        raise ValueError(f"unsupported prompt type {type(prompts).__name__}: use a string, token ids or a dict")
+    if prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # type: ignore[arg-type]
     return list(prompts)  # type: ignore[arg-type]

@@ -65,31 +65,58 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Fast-schedule reference: per sequence, gather its keys and run SDPA (causal, GQA)."""
-    num_heads = q.shape[1]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    flat_k = k_cache.view(-1, num_kv_heads, k_cache.shape[3])
-    flat_v = v_cache.view(-1, num_kv_heads, v_cache.shape[3])
+    """Fast-schedule reference: all single-row (decode) sequences in one padded batch, then
+    SDPA per multi-row (prefill chunk) sequence."""
     out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for s, ctx in enumerate(lens):
-        q_start, q_end = starts[s], starts[s + 1]
-        if q_end == q_start:
-            continue
-        pos = torch.arange(ctx, device=q.device)
-        slots = _slots(block_tables, torch.full_like(pos, s), pos, block_size)
-        k = flat_k[slots].transpose(0, 1).to(q.dtype)  # [kvh, ctx, d]
-        v = flat_v[slots].transpose(0, 1).to(q.dtype)
-        qs = q[q_start:q_end].transpose(0, 1)  # [h, n, d]
-        n = q_end - q_start
-        q_pos = torch.arange(ctx - n, ctx, device=q.device)
-        mask = pos[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(
-            qs, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
-        )
-        out[q_start:q_end] = o.transpose(0, 1)
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    decodes = [s for s, n in enumerate(q_lens) if n == 1]
+    if decodes:
+        idx = torch.tensor(decodes, device=q.device)
+        rows = query_start_loc[idx].long()
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for s, n in enumerate(q_lens):
+        if n > 1:
+            out[starts[s] : starts[s] + n] = _chunk_attention(q[starts[s] : starts[s] + n], k_cache, v_cache, block_tables[s], lens[s], scale)
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query row per sequence, keys padded to the longest context and masked."""
+    n, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    ctx = int(seq_lens.max())
+    pos = torch.arange(ctx, device=q.device)[None, :].expand(n, ctx)
+    seq_idx = torch.arange(n, device=q.device)[:, None].expand(n, ctx)
+    # Padding keys (masked below) re-read the sequence's last key: never an unwritten slot or unused table entry.
+    slots = _slots(block_tables, seq_idx, torch.minimum(pos, seq_lens[:, None] - 1), block_size)
+    k = k_cache.view(-1, num_kv_heads, head_dim)[slots].to(q.dtype)  # [n, ctx, kvh, d]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[slots].to(q.dtype)
+    group = num_heads // num_kv_heads
+    qg = q.view(n, num_kv_heads, group, head_dim)
+    scores = torch.einsum("nkgd,nckd->nkgc", qg.float(), k.float()) * scale
+    scores = scores.masked_fill((pos >= seq_lens[:, None])[:, None, None, :], float("-inf"))
+    out = torch.einsum("nkgc,nckd->nkgd", scores.softmax(dim=-1), v.float())
+    return out.reshape(n, num_heads, head_dim).to(q.dtype)
+
+
+def _chunk_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, ctx: int, scale: float
+) -> torch.Tensor:
+    """Several query rows of one sequence (its last positions), causal over the cached keys."""
+    n, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    pos = torch.arange(ctx, device=q.device)
+    slots = _slots(block_table[None, :], torch.zeros_like(pos), pos, block_size)
+    k = k_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).to(q.dtype)  # [kvh, ctx, d]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).to(q.dtype)
+    mask = pos[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+    )
+    return o.transpose(0, 1)
 
 
 def paged_attention_canonical_ref(
@@ -124,7 +151,10 @@ def paged_attention_canonical_ref(
     for t in range(num_tiles):
         key_pos = t * tile + offsets  # [tile]
         kp = key_pos[None, :].expand(n, tile)
-        slots = _slots(block_tables, seq_idx[:, None].expand(n, tile), kp, block_size)
+        # Keys past a row's position are masked anyway; gather the row's own last key in their
+        # place, so unwritten slots and unused block-table entries are never read.
+        read_pos = torch.minimum(kp, pos[:, None])
+        slots = _slots(block_tables, seq_idx[:, None].expand(n, tile), read_pos, block_size)
         k = flat_k[slots].float().permute(0, 2, 3, 1)  # [n, kvh, d, tile]
         v = flat_v[slots].float().permute(0, 2, 1, 3)  # [n, kvh, tile, d]
         scores = torch.matmul(qf, k)  # [n, kvh, group, tile]

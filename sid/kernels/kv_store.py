@@ -40,9 +40,9 @@ def _store_kv_kernel(
     stride_vc_s,
     stride_vc_h,
     stride_vc_d,
-    num_kv_heads,
-    head_dim,
     BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     HEADS: tl.constexpr,
     DIM: tl.constexpr,
 ):
@@ -55,7 +55,7 @@ def _store_kv_kernel(
     offset = slot % BLOCK_SIZE
     heads = tl.arange(0, HEADS)[:, None]
     dims = tl.arange(0, DIM)[None, :]
-    mask = (heads < num_kv_heads) & (dims < head_dim)
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
     k = tl.load(key_ptr + token * stride_key_t + heads * stride_key_h + dims * stride_key_d, mask=mask)
     v = tl.load(value_ptr + token * stride_value_t + heads * stride_value_h + dims * stride_value_d, mask=mask)
     k_dst = k_cache_ptr + block * stride_kc_b + offset * stride_kc_s + heads * stride_kc_h + dims * stride_kc_d
@@ -89,9 +89,9 @@ def store_kv(
         *value.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
-        num_kv_heads,
-        head_dim,
         BLOCK_SIZE=k_cache.shape[1],
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
         HEADS=triton.next_power_of_2(num_kv_heads),
         DIM=triton.next_power_of_2(head_dim),
     )

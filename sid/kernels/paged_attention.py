@@ -102,8 +102,8 @@ def _block_rows(
     """Rows of this program's query block: sequence, flat token, head, validity and position.
 
     Row ``m`` of the block is query row ``first + m // GROUP`` of the sequence, head
-    ``kv_head * GROUP + m % GROUP``. Rows past the sequence's queries repeat its last
-    position (their results are never stored), so no row is ever empty of keys.
+    ``kv_head * GROUP + m % GROUP``. Padding rows repeat the block's last row (their results
+    are never stored), so every row has keys and stays inside the block's key range.
     """
     q_block = tl.program_id(0)
     seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
@@ -113,11 +113,13 @@ def _block_rows(
     seq_len = tl.load(seq_lens_ptr + seq)
     m = tl.arange(0, BLOCK_M)
     row = first + m // GROUP
-    valid = (row < q_len) & (m < BLOCK_Q * GROUP)
-    token = (q_start + tl.minimum(row, q_len - 1)).to(tl.int64)
+    last_row = tl.minimum(first + BLOCK_Q, q_len) - 1
+    valid = (row <= last_row) & (m < BLOCK_Q * GROUP)
+    row = tl.minimum(row, last_row)
+    token = (q_start + row).to(tl.int64)
     head = tl.program_id(1) * GROUP + m % GROUP
-    pos = seq_len - q_len + tl.minimum(row, q_len - 1)
-    last_pos = seq_len - q_len + tl.minimum(first + BLOCK_Q, q_len) - 1
+    pos = seq_len - q_len + row
+    last_pos = seq_len - q_len + last_row
     return seq, first, q_len, token, head, valid, pos, last_pos
 
 
@@ -137,7 +139,6 @@ def _attention_kernel(
     num_seqs,
     split_size,
     num_splits,
-    head_dim,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -158,6 +159,7 @@ def _attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -171,7 +173,7 @@ def _attention_kernel(
     kv_stop = tl.minimum(split_start + split_size, last_pos + 1)
     kv_head = tl.program_id(1)
     dims = tl.arange(0, DIM)
-    dim_ok = dims < head_dim
+    dim_ok = dims < HEAD_DIM
     q = tl.load(
         q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd,
         mask=valid[:, None] & dim_ok[None, :],
@@ -182,7 +184,8 @@ def _attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM], tl.float32)
-    for tile_start in range(split_start, kv_stop, TILE):
+    tile_start = split_start
+    while tile_start < kv_stop:
         keys = tile_start + tl.arange(0, TILE)
         key_ok = keys < kv_stop
         block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
@@ -214,8 +217,9 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(compute_dtype), v.to(compute_dtype), acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
+        tile_start += TILE
     out_mask = valid[:, None] & dim_ok[None, :]
-    complete = pos < split_size
+    complete = (pos < split_size) & (split_start == 0)
     tl.store(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
         (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
@@ -239,13 +243,13 @@ def _combine_kernel(
     num_seqs,
     split_size,
     num_splits,
-    head_dim,
     stride_ot,
     stride_oh,
     stride_od,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     DIM: tl.constexpr,
 ):
     """Merge the split partials of the rows that span several splits, in increasing split order."""
@@ -255,14 +259,15 @@ def _combine_kernel(
     if (first >= q_len) | (last_pos < split_size):
         return
     dims = tl.arange(0, DIM)
-    dim_ok = dims < head_dim
+    dim_ok = dims < HEAD_DIM
     row_splits = pos // split_size + 1
     rows = valid & (row_splits > 1)
     part = (token * tl.num_programs(1) * GROUP + head) * num_splits
     m_i = tl.load(part_max_ptr + part, mask=rows, other=0.0)
     l_i = tl.load(part_sum_ptr + part, mask=rows, other=1.0)
     acc = tl.load(part_acc_ptr + part[:, None] * DIM + dims[None, :], mask=rows[:, None] & dim_ok[None, :], other=0.0)
-    for split in range(1, last_pos // split_size + 1):
+    split = 1
+    while split <= last_pos // split_size:
         live = rows & (split < row_splits)
         m_s = tl.load(part_max_ptr + part + split, mask=live, other=float("-inf"))
         l_s = tl.load(part_sum_ptr + part + split, mask=live, other=0.0)
@@ -277,6 +282,7 @@ def _combine_kernel(
         l_i = l_i * alpha + l_s * beta
         acc = acc * alpha[:, None] + acc_s * beta[:, None]
         m_i = m_new
+        split += 1
     tl.store(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
         (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
@@ -289,6 +295,12 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return _NOMINAL_SMS
+
+
+@functools.lru_cache(maxsize=None)
+def _unused_partials(device: torch.device) -> torch.Tensor:
+    """Stand-in partial buffer when nothing splits: same dtype, so the same compiled kernel."""
+    return torch.empty(1, dtype=torch.float32, device=device)
 
 
 def _canonical_schedule(group: int) -> _Schedule:
@@ -369,7 +381,7 @@ def paged_attention(
         part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
     else:
-        part_acc = part_max = part_sum = out
+        part_acc = part_max = part_sum = _unused_partials(q.device)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _attention_kernel[(*grid, num_splits)](
         q,
@@ -386,7 +398,6 @@ def paged_attention(
         num_seqs,
         sched.split_size,
         num_splits,
-        head_dim,
         *q.stride(),
         *out.stride(),
         *k_cache.stride(),
@@ -397,6 +408,7 @@ def paged_attention(
         BLOCK_M=sched.block_m,
         BLOCK_Q=block_q,
         TILE=sched.kv_tile,
+        HEAD_DIM=head_dim,
         DIM=dim,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=sched.num_warps,
@@ -413,11 +425,11 @@ def paged_attention(
             num_seqs,
             sched.split_size,
             num_splits,
-            head_dim,
             *out.stride(),
             GROUP=group,
             BLOCK_M=sched.block_m,
             BLOCK_Q=block_q,
+            HEAD_DIM=head_dim,
             DIM=dim,
             num_warps=_COMBINE_NUM_WARPS,
         )

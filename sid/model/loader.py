@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,28 +21,40 @@ from sid.model.decoder import CausalLM
 logger = logging.getLogger(__name__)
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_MERGED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
-def _ignored(cfg: ModelConfig, hf_name: str) -> bool:
-    """Tensors a checkpoint may carry that Sid does not need."""
-    return hf_name.endswith(IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and hf_name == "lm_head.weight")
+@dataclass(frozen=True)
+class _Slot:
+    """Where one stored tensor goes: rows ``offset : offset + shape[0]`` of ``param``."""
+
+    param: str
+    offset: int
+    shape: tuple[int, ...]
 
 
-def _target(cfg: ModelConfig, name: str) -> tuple[str, int]:
-    """Map a Hugging Face tensor name to (Sid parameter name, row offset)."""
-    name = name.removeprefix("model.")
-    merged = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-        "self_attn.k_proj": ("self_attn.qkv_proj", cfg.q_size),
-        "self_attn.v_proj": ("self_attn.qkv_proj", cfg.q_size + cfg.kv_size),
-        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-        "mlp.up_proj": ("mlp.gate_up_proj", cfg.intermediate_size),
-    }
-    for hf, (sid, offset) in merged.items():
-        marker = f".{hf}."
-        if marker in name:
-            return name.replace(marker, f".{sid}."), offset
-    return name, 0
+def _expected_tensors(model: CausalLM) -> dict[str, _Slot]:
+    """Every tensor a Hugging Face checkpoint of this config must hold, by its stored name."""
+    cfg = model.cfg
+    rows = {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size}
+    rows |= {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
+    out: dict[str, _Slot] = {}
+    for name, param in model.named_parameters():
+        hf_prefix = "" if name.startswith("lm_head.") else "model."
+        merged = next((m for m in _MERGED if f".{m}." in name), None)
+        if merged is None:
+            out[hf_prefix + name] = _Slot(name, 0, tuple(param.shape))
+            continue
+        offset = 0
+        for part in _MERGED[merged]:
+            n = rows[part.split(".")[-1]]
+            hf_name = hf_prefix + name.replace(f".{merged}.", f".{part}.")
+            out[hf_name] = _Slot(name, offset, (n, *param.shape[1:]))
+            offset += n
+    return out
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -65,7 +78,8 @@ def _weight_files(path: Path) -> list[Path]:
 def load_weights(model: CausalLM, path: Path) -> None:
     """Copy every checkpoint tensor into ``model``; raise naming any missing or misshapen one."""
     params = dict(model.named_parameters())
-    rows_written = {name: 0 for name in params}
+    expected = _expected_tensors(model)
+    loaded: set[str] = set()
     for file in _weight_files(path):
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
@@ -73,42 +87,25 @@ def load_weights(model: CausalLM, path: Path) -> None:
             raise CheckpointError(f"cannot read weight file {file.name}: {exc}") from None
         with handle as f:
             for hf_name in f.keys():
-                if _ignored(model.cfg, hf_name):
-                    continue
-                name, offset = _target(model.cfg, hf_name)
-                if name not in params:
-                    logger.warning("ignoring unexpected tensor %s in %s", hf_name, file.name)
+                slot = expected.get(hf_name)
+                if slot is None:
+                    tied_head = model.cfg.tie_word_embeddings and hf_name == "lm_head.weight"
+                    if not (tied_head or hf_name.endswith(IGNORED_SUFFIXES)):
+                        logger.warning("ignoring unexpected tensor %s in %s", hf_name, file.name)
                     continue
                 tensor = f.get_tensor(hf_name)
-                param = params[name]
-                rows = tensor.shape[0] if tensor.dim() else 0
-                expected = (rows, *param.shape[1:]) if param.dim() else ()
-                if tuple(tensor.shape) != tuple(expected) or offset + rows > (param.shape[0] if param.dim() else 0):
+                if tuple(tensor.shape) != slot.shape:
                     raise CheckpointError(
                         f"weight {hf_name} in {file.name} has shape {tuple(tensor.shape)}, "
-                        f"but the config implies {_expected_shape(model.cfg, hf_name, param, offset)}"
+                        f"but the config implies {slot.shape}"
                     )
                 with torch.no_grad():
-                    param[offset : offset + rows].copy_(tensor)
-                rows_written[name] += rows
-    missing = [name for name, p in params.items() if rows_written[name] != p.shape[0]]
+                    params[slot.param][slot.offset : slot.offset + slot.shape[0]].copy_(tensor)
+                loaded.add(hf_name)
+    missing = sorted(set(expected) - loaded)
     if missing:
-        raise CheckpointError(f"checkpoint {str(path)!r} lacks weights for: {', '.join(sorted(missing)[:8])}")
-
-
-def _expected_shape(cfg: ModelConfig, hf_name: str, param: torch.Tensor, offset: int) -> tuple[int, ...]:
-    """The stored shape a tensor should have, for error messages."""
-    rows = {
-        "q_proj": cfg.q_size,
-        "k_proj": cfg.kv_size,
-        "v_proj": cfg.kv_size,
-        "gate_proj": cfg.intermediate_size,
-        "up_proj": cfg.intermediate_size,
-    }
-    for key, n in rows.items():
-        if f".{key}." in hf_name:
-            return (n, *param.shape[1:])
-    return tuple(param.shape)
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise CheckpointError(f"checkpoint {str(path)!r} lacks weights: {', '.join(missing[:8])}{more}")
 
 
 def init_dummy_weights(model: CausalLM, seed: int) -> None:

@@ -1,0 +1,250 @@
+"""Triton KV store and paged attention against the torch references (``sid.kernels.attention_ref``).
+
+On a CPU machine the kernels run in Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET before any kernel module is imported), so sizes are small; on a GPU the same
+tests run compiled. Caches are poisoned with NaN wherever nothing was written, block tables
+carry holes, shuffled block ids and junk past each sequence's blocks, and outputs start as NaN,
+so a kernel that reads or writes outside its contract fails.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from sid.kernels.attention_ref import (
+    paged_attention_canonical_ref,
+    paged_attention_ref,
+    store_kv_ref,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BLOCK_SIZE = 16
+JUNK_BLOCK = 1 << 30
+"""Block-table entry past a sequence's blocks: any read of it faults or fails the test."""
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+
+
+def _kernels():
+    """Kernel modules, imported late so the interpreter switch in conftest is already set."""
+    from sid.kernels import kv_store, paged_attention
+
+    return kv_store, paged_attention
+
+
+class Pool:
+    """A NaN-poisoned paged KV pool; contexts get shuffled, non-contiguous blocks, with holes."""
+
+    def __init__(self, num_blocks: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+        self.k = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+        self.v = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+        self.free = torch.randperm(num_blocks, generator=self.gen).tolist()
+
+    def random_kv(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (length, *self.k.shape[2:])
+        return torch.randn(shape, generator=self.gen), torch.randn(shape, generator=self.gen)
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor) -> list[int]:
+        """Store a context's K/V; returns its block ids. Every third free block is left as a hole."""
+        blocks = []
+        while len(blocks) * BLOCK_SIZE < len(keys):
+            if len(self.free) % 3 == 0:
+                self.free.pop()
+            blocks.append(self.free.pop())
+        pos = torch.arange(len(keys))
+        slots = torch.tensor(blocks)[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+        store_kv_ref(keys.to(DEVICE), values.to(DEVICE), self.k, self.v, slots.to(DEVICE))
+        return blocks
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+
+    def args(self, pool: Pool) -> tuple:
+        return self.q, pool.k, pool.v, self.block_tables, self.seq_lens, self.query_start_loc
+
+
+def make_batch(seqs: list[tuple[list[int], int, torch.Tensor]]) -> Batch:
+    """``seqs``: (block ids, context length, query rows). Unused table entries: -1 or junk."""
+    width = max(len(blocks) for blocks, _, _ in seqs) + 2
+    table = torch.full((len(seqs), width), -1, dtype=torch.int32)
+    for s, (blocks, _, _) in enumerate(seqs):
+        table[s, : len(blocks)] = torch.tensor(blocks)
+        if s % 2:
+            table[s, len(blocks) :] = JUNK_BLOCK
+    q_lens = torch.tensor([len(q) for _, _, q in seqs])
+    return Batch(
+        q=torch.cat([q for _, _, q in seqs]).to(DEVICE),
+        block_tables=table.to(DEVICE),
+        seq_lens=torch.tensor([ctx for _, ctx, _ in seqs], dtype=torch.int32, device=DEVICE),
+        query_start_loc=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(torch.int32).to(DEVICE),
+    )
+
+
+def mixed_batch(pool: Pool, heads: int, shapes: list[tuple[int, int]]) -> Batch:
+    """Random contexts of (length, query rows): prefill chunks over a cached prefix and decodes."""
+    seqs = []
+    for ctx, q_len in shapes:
+        blocks = pool.add(*pool.random_kv(ctx))
+        seqs.append((blocks, ctx, torch.randn(q_len, heads, pool.k.shape[3], generator=pool.gen)))
+    return make_batch(seqs)
+
+
+# Mixed step: decode past a split boundary, fresh prefill, an empty sequence, a chunk whose
+# cached prefix crosses a split boundary, a tiny decode, a chunk inside one tile.
+MIXED = [(700, 1), (37, 37), (50, 0), (600, 24), (1, 1), (130, 5)]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    ("in_dtype", "cache_dtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)],
+)
+def test_store_kv_writes_only_its_slots(in_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    kv_store, _ = _kernels()
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, kv_heads, head_dim = 40, 2, 64
+    # K and V as strided views of one fused projection, like the model's qkv output.
+    kv = torch.randn(num_tokens, 2 * kv_heads + 1, head_dim, generator=gen).to(in_dtype).to(DEVICE)
+    key, value = kv[:, :kv_heads], kv[:, kv_heads + 1 :]
+    slots = torch.randperm(24 * BLOCK_SIZE, generator=gen)[:num_tokens]
+    slots[::7] = -1
+    k_cache = torch.full((24, BLOCK_SIZE, kv_heads, head_dim), -7.0, dtype=cache_dtype, device=DEVICE)
+    v_cache = torch.full_like(k_cache, -9.0)
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    store_kv_ref(key, value, k_want, v_want, slots.to(DEVICE))
+    kv_store.store_kv(key, value, k_cache, v_cache, slots.to(DEVICE))
+    assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+    assert (k_cache != -7.0).sum() == (slots >= 0).sum() * kv_heads * head_dim
+
+
+@pytest.mark.parametrize(
+    ("dtype", "heads", "kv_heads", "head_dim"),
+    [
+        (torch.float32, 2, 2, 64),
+        (torch.float32, 4, 2, 128),
+        (torch.float32, 8, 2, 64),
+        (torch.float32, 4, 1, 32),
+        (torch.bfloat16, 8, 2, 128),
+        (torch.float16, 4, 1, 64),
+    ],
+)
+@pytest.mark.parametrize("canonical", [False, True])
+def test_paged_attention_matches_reference(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, canonical: bool
+) -> None:
+    _, attention = _kernels()
+    pool = Pool(160, kv_heads, head_dim, dtype, seed=heads * 31 + head_dim)
+    batch = mixed_batch(pool, heads, MIXED)
+    batch.q = batch.q.to(dtype)
+    scale = 1 / math.sqrt(head_dim)
+    out = torch.full_like(batch.q, float("nan"))
+    got = attention.paged_attention(
+        *batch.args(pool), scale, canonical=canonical, out=out, max_query_len=37, max_seq_len=700
+    )
+    assert got is out
+    assert not out.isnan().any()
+    ref = paged_attention_canonical_ref if canonical else paged_attention_ref
+    _close(out, ref(*batch.args(pool), scale), dtype)
+
+
+def test_fast_schedule_splits_kv_and_agrees_with_canonical() -> None:
+    """A thin decode batch takes the split-KV path; it and the canonical schedule agree."""
+    _, attention = _kernels()
+    pool = Pool(120, 1, 64, torch.float32, seed=5)
+    batch = mixed_batch(pool, 4, [(900, 1), (300, 1)])
+    sched = attention._fast_schedule(2, 2, 4, 1, 1, 900, DEVICE)
+    assert sched.split_size < 900
+    fast = attention.paged_attention(*batch.args(pool), 0.125, canonical=False)
+    _close(fast, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
+    canon = attention.paged_attention(*batch.args(pool), 0.125, canonical=True)
+    _close(fast, canon, torch.float32)
+
+
+def test_max_lengths_are_optional() -> None:
+    """Without host maxima the launch reads them from the device and gives the same result."""
+    _, attention = _kernels()
+    pool = Pool(80, 2, 64, torch.float32, seed=6)
+    batch = mixed_batch(pool, 4, [(200, 1), (90, 12)])
+    for canonical in (False, True):
+        given = attention.paged_attention(
+            *batch.args(pool), 0.125, canonical=canonical, max_query_len=12, max_seq_len=200
+        )
+        assert torch.equal(attention.paged_attention(*batch.args(pool), 0.125, canonical=canonical), given)
+
+
+TARGET_LEN = 600
+"""Target context: its rows straddle the canonical split boundary (512) and several tiles."""
+
+
+Variant = tuple[list[tuple[list[int], int, torch.Tensor]], list[tuple[int, int]]]
+
+
+def _target_variants(dtype: torch.dtype) -> tuple[Pool, list[Variant]]:
+    """Steps that hold the same target positions in different company and shapes.
+
+    Each variant is (sequences of the step, [(index of a target sequence, its first position)]);
+    the target's K/V sit twice in the pool, at two different sets of blocks.
+    """
+    heads, kv_heads, head_dim = 4, 2, 64
+    pool = Pool(320, kv_heads, head_dim, dtype, seed=11)
+    keys, values = pool.random_kv(TARGET_LEN)
+    home, copy = pool.add(keys, values), pool.add(keys, values)
+    q_all = torch.randn(TARGET_LEN, heads, head_dim, generator=pool.gen).to(dtype)
+
+    def target(blocks: list[int], first: int, last: int) -> tuple[list[int], int, torch.Tensor]:
+        return blocks, last + 1, q_all[first : last + 1]
+
+    def other(ctx: int, q_len: int) -> tuple[list[int], int, torch.Tensor]:
+        k, v = pool.random_kv(ctx)
+        return pool.add(k, v), ctx, torch.randn(q_len, heads, head_dim, generator=pool.gen).to(dtype)
+
+    variants = [
+        ([target(home, 560, 599)], [(0, 560)]),
+        ([other(900, 1), other(100, 30), target(copy, 560, 599), other(50, 1)], [(2, 560)]),
+        ([other(20, 3), target(home, 560, 572)], [(1, 560)]),
+        ([target(copy, 573, 599), other(640, 9)], [(0, 573)]),
+        (
+            [other(33, 1), target(home, 560, 560), target(copy, 575, 575), other(70, 7), target(home, 599, 599)],
+            [(1, 560), (2, 575), (4, 599)],
+        ),
+    ]
+    return pool, variants
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_canonical_rows_are_bit_identical_in_any_batch(dtype: torch.dtype, impl: str) -> None:
+    """A row's canonical output depends only on its position and keys: not on the other rows,
+    the query tiling, chunking, decode vs prefill, the number of sequences, or block placement."""
+    _, attention = _kernels()
+    pool, variants = _target_variants(dtype)
+    scale = 0.125
+    results: dict[int, list[torch.Tensor]] = {}
+    for seqs, targets in variants:
+        batch = make_batch(seqs)
+        if impl == "triton":
+            out = attention.paged_attention(*batch.args(pool), scale, canonical=True)
+        else:
+            out = paged_attention_canonical_ref(*batch.args(pool), scale)
+        starts = batch.query_start_loc.tolist()
+        for s, first in targets:
+            for i in range(starts[s], starts[s + 1]):
+                results.setdefault(first + i - starts[s], []).append(out[i])
+    assert {p for p, outs in results.items() if len(outs) > 1} >= {560, 572, 573, 575, 599}
+    for pos, outs in results.items():
+        for other in outs[1:]:
+            assert torch.equal(outs[0], other), f"position {pos} changed bits with the batch"
