@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,6 +37,12 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     cpu_kv_cache_bytes: int = 1 << 30
+    enable_determinism: bool = True
+    canonical_rows: int | None = None
+    verify_window: int = 8
+    determinism_strategy: str = "auto"
+    router_policy: Any = None
+    """A ``RouterPolicy``, its dict form, or a path to its JSON file; None = nothing by default."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:
@@ -49,6 +56,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.canonical_rows is not None and self.canonical_rows < 1:
+            raise ValueError(f"canonical_rows must be >= 1, got {self.canonical_rows}")
+        if self.verify_window < 1:
+            raise ValueError(f"verify_window must be >= 1, got {self.verify_window}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -57,6 +68,10 @@ class EngineConfig:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for, but no CUDA device is available")
         return device
+
+    def canonical_rows_for(self, device: torch.device) -> int:
+        """``M_canon``: 128 rows on a GPU (a pass costs about one decode step), 32 on a CPU."""
+        return self.canonical_rows or (128 if device.type == "cuda" else 32)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

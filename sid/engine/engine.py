@@ -6,6 +6,7 @@ import json
 import logging
 import random
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,19 +15,24 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from sid.config import EngineConfig
 from sid.engine.detokenizer import IncrementalDetokenizer
-from sid.engine.kv_cache import KVCacheManager, cdiv
+from sid.engine.fingerprint import numerics_fingerprint, processor, source_digest, weights_digest
+from sid.engine.kv_cache import KVCacheManager, PrefixCacheStats, cdiv
 from sid.engine.request import Request, RequestStatus
-from sid.engine.scheduler import ScheduledChunk, Scheduler
+from sid.engine.router import RequestContext, Router, RouterPolicy
+from sid.engine.scheduler import CPU_COST, GPU_COST, ScheduledChunk, Scheduler
+from sid.engine.selftest import self_test
 from sid.model.config import CheckpointError, ModelConfig
 from sid.model.loader import build_model
 from sid.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from sid.runtime.attention import PagedKVCache, get_backend
-from sid.runtime.model_runner import ModelRunner
+from sid.runtime.model_runner import ChunkResult, ModelRunner, SampledToken
 from sid.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
+DEFAULT_DETERMINISTIC_SEED = 0
+"""Seed of a deterministic request that samples (temperature > 0) without giving one."""
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -73,7 +79,7 @@ class LLMEngine:
             self.path,
             dtype=self.dtype,
             device=self.device,
-            max_positions=self.max_model_len,
+            max_positions=max(self.max_model_len, config.canonical_rows_for(self.device)),  # padding rows too
             load_format=config.load_format,
             seed=config.seed,
         )
@@ -91,14 +97,46 @@ class LLMEngine:
             device=self.device,
         )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.canonical_rows = config.canonical_rows_for(self.device)
         self.scheduler = Scheduler(
-            self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
+            self.kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            canonical_rows=self.canonical_rows,
+            verify_window=config.verify_window,
+            strategy=config.determinism_strategy,
+            cost_model=GPU_COST if self.device.type == "cuda" else CPU_COST,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device, self.canonical_rows)
+        self.router = Router(_router_policy(config.router_policy))
+        self.numerics = self._numerics_config()
+        self.fingerprint = numerics_fingerprint(self.numerics)
+        self.canonical_domain = f"canonical:{self.fingerprint}"
+        self.stats = DeterminismStats()
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._seed_rng = random.Random(config.seed)
         self._arrivals = 0
+        if config.enable_determinism:
+            self_test(self.runner, self.kv, self.canonical_domain, self.max_model_len)
+            self.kv.stats = PrefixCacheStats()
+
+    def _numerics_config(self) -> dict[str, Any]:
+        """Everything that fixes canonical bits (DESIGN 3.2); see ``sid.engine.fingerprint``."""
+        import triton
+
+        return {
+            "canonical_rows": self.canonical_rows,
+            "dtype": str(self.dtype),
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "attention": self.backend.canonical_config(),
+            "sources": source_digest(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "processor": processor(self.device),
+            "weights": weights_digest(self.path, self.config.load_format, self.config.seed),
+            "architecture": self.model_config.architecture,
+        }
 
     def _block_bytes(self) -> int:
         cfg = self.model_config
@@ -138,7 +176,7 @@ class LLMEngine:
             dtype=self.dtype,
             device=self.device,
         )
-        runner = ModelRunner(self.model, profile_cache, bs, self.device)
+        runner = ModelRunner(self.model, profile_cache, bs, self.device, self.config.canonical_rows_for(self.device))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, logprobs=5)
@@ -182,7 +220,12 @@ class LLMEngine:
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}: use a string, token ids or a dict")
 
     def _new_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None,
+        deterministic: bool = False,
     ) -> Request:
         vocab = self.model_config.vocab_size
         n = len(prompt_token_ids)
@@ -203,27 +246,42 @@ class LLMEngine:
                 f"the request needs {blocks} KV blocks ({n} prompt + {max_tokens} new tokens) but the cache has "
                 f"only {self.kv.pool.num_blocks}; lower max_tokens or enlarge the cache"
             )
+        if deterministic and not self.config.enable_determinism:
+            raise ValueError("deterministic requests need enable_determinism=True (the start-up self-test)")
+        if params.seed is not None:
+            seed = params.seed
+        else:
+            seed = DEFAULT_DETERMINISTIC_SEED if deterministic else self._seed_rng.getrandbits(63)
         self._arrivals += 1
         return Request(
             request_id=request_id,
             prompt=prompt,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
-            seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(63),
+            seed=seed,
             max_tokens=max_tokens,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             arrival=self._arrivals,
+            deterministic=deterministic,
+            domain=self.canonical_domain if deterministic else "fast",
         )
 
-    def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> Request:
-        """Validate a request without enqueueing it; raises ``ValueError`` saying what is wrong."""
+    def make_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        context: RequestContext | None = None,
+    ) -> Request:
+        """Validate and route a request without enqueueing it; raises ``ValueError`` saying what is wrong."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, ids, salt = self._tokenize(prompt)
-        request = self._new_request(request_id, ids, params, text)
+        deterministic, _ = self.router.decide(params, context)
+        request = self._new_request(request_id, ids, params, text, deterministic)
         request.cache_salt = salt
         return request
 
@@ -234,11 +292,19 @@ class LLMEngine:
             self._detok[request.request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, p.skip_special_tokens, p.stop_strings, p.include_stop_str_in_output
             )
+        if request.deterministic:
+            self.stats.deterministic_requests += 1
         self.scheduler.add(request)
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        context: RequestContext | None = None,
+    ) -> None:
         """Validate and queue a request; a bad one raises at once and nothing else changes."""
-        self.enqueue(self.make_request(request_id, prompt, params))
+        self.enqueue(self.make_request(request_id, prompt, params, context))
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -254,27 +320,38 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished()
 
+    def get_stats(self) -> dict[str, Any]:
+        """Engine counters: scheduling, prefix cache, and what determinism cost."""
+        sched = self.scheduler.stats
+        return {
+            **asdict(self.stats),
+            "steps": sched.steps,
+            "preemptions": sched.preemptions,
+            "scheduled_tokens": sched.scheduled_tokens,
+            "canonical_passes": sched.canonical_passes,
+            "canonical_rows_used": sched.canonical_rows_used,
+            "canonical_rows_padded": sched.canonical_rows_padded,
+            "strategy_choices": dict(sched.strategy_choices),
+            "prefix_cache_hit_rate": self.kv.stats.hit_rate,
+            "kv_usage": self.kv.pool.usage(),
+            "fingerprint": self.fingerprint,
+        }
+
     # --------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return the requests that progressed (cumulative outputs)."""
         plan = self.scheduler.schedule()
-        if not plan.chunks:
-            return []
-        block_ids = [self.kv.block_ids(c.request) for c in plan.chunks]
-        results = self.runner.execute(plan.chunks, block_ids)
-        self.scheduler.commit(plan)
+        progressed: dict[str, Request] = {}
+        passes = [(chunks, True) for chunks in plan.canonical] + ([(plan.fast, False)] if plan.fast else [])
+        for chunks, canonical in passes:
+            block_ids = [self.kv.block_ids(c.request) for c in chunks]
+            results = self.runner.execute(chunks, block_ids, canonical=canonical)
+            for chunk, result in zip(chunks, results):
+                if self._apply(chunk, result, canonical):
+                    progressed[chunk.request.request_id] = chunk.request
         outputs = []
-        for chunk, result in zip(plan.chunks, results):
-            request = chunk.request
-            if request.prompt_logprobs is not None and result.prompt_logprobs:
-                request.prompt_logprobs.extend(self._decorate(e) for e in result.prompt_logprobs)
-            if result.token_id is not None:
-                self._append_token(request, result.token_id, result.logprobs)
-            elif chunk.samples and request.max_tokens == 0:
-                request.status = RequestStatus.FINISHED_LENGTH
-            else:
-                continue
+        for request in progressed.values():
             if request.finished:
                 self.scheduler.finish(request, request.status)
             outputs.append(self._output(request))
@@ -283,8 +360,65 @@ class LLMEngine:
                 self._detok.pop(request.request_id, None)
         return outputs
 
-    def _append_token(self, request: Request, token: int, logprobs: PositionLogprobs | None) -> None:
-        request.token_ids.append(token)
+    def _apply(self, chunk: ScheduledChunk, result: ChunkResult, canonical: bool) -> bool:
+        """Fold one chunk's results into its request; True if it emitted a token or finished."""
+        request = chunk.request
+        if request.finished:  # stopped by an earlier pass of this step
+            return False
+        request.num_computed_tokens = max(request.num_computed_tokens, chunk.end)
+        if request.prompt_logprobs is not None and result.prompt_logprobs:
+            request.prompt_logprobs.extend(self._decorate(e) for e in result.prompt_logprobs)
+        emitted = request.num_emitted
+        if request.deterministic and canonical:
+            self._verify(request, result.samples)
+        elif request.deterministic:
+            for sampled in result.samples:  # a proposal: it waits for verification
+                request.token_ids.append(sampled.token_id)
+                self.stats.proposed_tokens += 1
+        elif result.samples and chunk.samples:
+            last = result.samples[-1]
+            request.token_ids.append(last.token_id)
+            self._emit(request, last.logprobs)
+        if chunk.samples and request.max_tokens == 0 and not request.wants_prompt_logprobs:
+            request.status = RequestStatus.FINISHED_LENGTH
+        self.kv.cache_full_blocks(request)
+        return request.num_emitted > emitted or request.finished
+
+    def _verify(self, request: Request, samples: list[SampledToken]) -> None:
+        """Compare canonical tokens with what the request holds; commit, or roll back (DESIGN 3.4)."""
+        proposals = request.num_proposals
+        if proposals:
+            self.stats.verifications += 1
+        for sampled in samples:
+            nxt = sampled.position + 1
+            request.n_canon = nxt  # the row's K/V is canonical now
+            if nxt < request.num_committed_tokens:
+                if nxt >= request.num_prompt_tokens and request.token_ids[nxt] != sampled.token_id:
+                    raise RuntimeError(
+                        f"{request.request_id}: canonical recompute of position {sampled.position} disagrees with "
+                        "its committed token; the numerics contract is broken"
+                    )
+                continue
+            if request.max_tokens == 0:
+                break
+            if nxt < request.num_tokens and request.token_ids[nxt] != sampled.token_id:
+                discarded = request.num_tokens - nxt
+                self.stats.rollbacks += 1
+                self.stats.recomputed_tokens += discarded
+                del request.token_ids[nxt:]
+                self.kv.truncate(request, nxt)
+            if nxt == request.num_tokens:
+                request.token_ids.append(sampled.token_id)
+            else:
+                self.stats.accepted_tokens += 1
+            self._emit(request, sampled.logprobs)
+            if request.finished:
+                break
+
+    def _emit(self, request: Request, logprobs: PositionLogprobs | None) -> None:
+        """Commit the next held token to the output, then check the stop conditions."""
+        token = request.token_ids[request.num_committed_tokens]
+        request.num_emitted += 1
         if logprobs is not None and request.logprobs is not None:
             request.logprobs.append(self._decorate(logprobs))
             request.cumulative_logprob += logprobs[token].logprob
@@ -296,8 +430,10 @@ class LLMEngine:
             request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
         elif stop_str is not None:
             request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-        elif request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        elif request.num_emitted >= request.max_tokens or request.num_committed_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
+        if request.finished:
+            del request.token_ids[request.num_committed_tokens :]
 
     def _decorate(self, entry: PositionLogprobs) -> PositionLogprobs:
         if self.tokenizer is None:
@@ -324,4 +460,27 @@ class LLMEngine:
             outputs=[completion],
             finished=finished,
             num_cached_tokens=request.num_cached_tokens,
+            deterministic=request.deterministic,
+            fingerprint=self.fingerprint,
         )
+
+
+@dataclass
+class DeterminismStats:
+    deterministic_requests: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    verifications: int = 0
+    rollbacks: int = 0
+    recomputed_tokens: int = 0
+    """Proposals thrown away on rollback: fast-lane work the canonical lane redid."""
+
+
+def _router_policy(policy: RouterPolicy | dict[str, Any] | str | Path | None) -> RouterPolicy:
+    if policy is None:
+        return RouterPolicy()
+    if isinstance(policy, RouterPolicy):
+        return policy
+    if isinstance(policy, dict):
+        return RouterPolicy.from_dict(policy)
+    return RouterPolicy.from_file(policy)

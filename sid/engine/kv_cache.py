@@ -153,25 +153,22 @@ class KVCacheManager:
         self.stats.hits += len(hits) * self.block_size
         return hits
 
-    def can_allocate(self, request: Request, num_new_tokens: int, cached: Sequence[KVBlock] = ()) -> bool:
-        held = len(self.blocks_of(request)) + len(cached)
-        total = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        needed = max(0, cdiv(total, self.block_size) - held)
+    def can_allocate(self, request: Request, upto: int, cached: Sequence[KVBlock] = ()) -> bool:
+        needed = max(0, cdiv(upto, self.block_size) - len(self.blocks_of(request)) - len(cached))
         revived = sum(1 for b in cached if b.ref_cnt == 0)
         return needed + revived <= self.pool.num_free
 
-    def allocate(self, request: Request, num_new_tokens: int, cached: Sequence[KVBlock] = ()) -> bool:
-        """Reserve slots for ``num_new_tokens`` after the computed (and newly cached) tokens.
+    def allocate(self, request: Request, upto: int, cached: Sequence[KVBlock] = ()) -> bool:
+        """Hold slots for positions ``0 .. upto - 1``, starting with the given cache hits.
 
         Returns False, changing nothing, when the pool cannot provide them.
         """
-        if not self.can_allocate(request, num_new_tokens, cached):
+        if not self.can_allocate(request, upto, cached):
             return False
         blocks = self._blocks.setdefault(request.request_id, [])
         self.pool.touch(cached)
         blocks.extend(cached)
-        total = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        blocks.extend(self.pool.allocate(cdiv(total, self.block_size) - len(blocks)))
+        blocks.extend(self.pool.allocate(max(0, cdiv(upto, self.block_size) - len(blocks))))
         return True
 
     def cache_full_blocks(self, request: Request) -> None:

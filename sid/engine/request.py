@@ -28,6 +28,11 @@ class Request:
     ``token_ids`` holds the prompt followed by every generated token; the K/V of the first
     ``num_computed_tokens`` of them is in the cache. Whenever every token is computed
     except the last, the next step samples one more.
+
+    A deterministic request also tracks ``n_canon``, the leading positions whose K/V is
+    canonical (DESIGN 3.4). Its committed tokens are ``token_ids[: n_canon + 1]`` once the
+    prompt is canonical; anything after them is a fast-lane proposal awaiting verification.
+    ``num_emitted`` counts the output tokens committed and handed to the user.
     """
 
     request_id: str
@@ -39,8 +44,12 @@ class Request:
     eos_token_ids: frozenset[int]
     arrival: int
     cache_salt: str | None = None
+    deterministic: bool = False
     domain: str = "fast"
     token_ids: list[int] = field(init=False)
+    stop_token_set: frozenset[int] = field(init=False)
+    n_canon: int = 0
+    num_emitted: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
@@ -52,6 +61,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.stop_token_set = self.eos_token_ids | frozenset(self.params.stop_token_ids or ())
         if self.params.logprobs is not None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None:
@@ -67,11 +77,26 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        """Generated tokens handed to the user (proposals excluded)."""
+        return self.token_ids[self.num_prompt_tokens : self.num_prompt_tokens + self.num_emitted]
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens held, proposals included."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_committed_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_emitted
+
+    @property
+    def num_proposals(self) -> int:
+        return self.num_tokens - self.num_committed_tokens
+
+    @property
+    def needs_canonical_rows(self) -> bool:
+        """Positions below the committed tail lack canonical K/V (prompt, or recompute)."""
+        return self.deterministic and self.n_canon < self.num_committed_tokens - 1
 
     @property
     def finished(self) -> bool:
@@ -90,7 +115,7 @@ class Request:
     @property
     def num_cacheable_tokens(self) -> int:
         """Leading tokens whose K/V is final and may be shared through the prefix cache."""
-        return self.num_computed_tokens
+        return self.n_canon if self.deterministic else self.num_computed_tokens
 
     def cache_keys(self) -> tuple[str, ...]:
         """Extra keys of this request's block hashes: numerics domain and cache salt."""

@@ -1,10 +1,17 @@
-"""Continuous batching under a token budget, with chunked prefill and preemption.
+"""Continuous batching under a token budget, for both lanes.
 
 Each step, running requests go first (a decode is one token, an unfinished prompt a
 chunk), then waiting ones in arrival order, until ``max_num_batched_tokens`` or
 ``max_num_seqs`` is reached. When the KV pool runs dry the most recently arrived running
 request is preempted: its blocks are freed and it waits again at the head of the queue,
-keeping its generated tokens, to be recomputed (mostly from the prefix cache) later.
+keeping its committed tokens, to be recomputed (mostly from the prefix cache) later.
+
+Deterministic requests (DESIGN 2-3) put rows into canonical passes of exactly
+``canonical_rows`` rows. Some rows *must* be canonical: prompt positions, recomputation
+after preemption, and verification of a full window of proposals. A deterministic
+request in its decode phase is flexible: it can speculate in the fast lane, or decode
+(verifying any proposals it holds) directly in a canonical pass. A cost model picks, per
+step, among speculating, decoding directly, and running the whole step canonically.
 """
 
 from __future__ import annotations
@@ -12,13 +19,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from sid.engine.kv_cache import KVCacheManager
+from sid.engine.kv_cache import KVCacheManager, cdiv
 from sid.engine.request import Request, RequestStatus
+
+STRATEGIES = ("auto", "speculate", "direct", "whole")
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """``num_tokens`` tokens of ``request`` starting at position ``start``."""
+    """``num_tokens`` consecutive positions of ``request`` starting at ``start``."""
 
     request: Request
     start: int
@@ -35,13 +44,39 @@ class ScheduledChunk:
 
 
 @dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
+class StepPlan:
+    fast: list[ScheduledChunk] = field(default_factory=list)
+    canonical: list[list[ScheduledChunk]] = field(default_factory=list)  # one list per pass
     preempted: list[Request] = field(default_factory=list)
+    strategy: str | None = None  # how flexible deterministic decodes ran, if there were any
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.fast + [c for p in self.canonical for c in p]
 
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class PassCostModel:
+    """Relative time of one forward pass of ``rows`` rows: ``fixed + per_row * rows``.
+
+    On a GPU a pass is bound by reading the weights until the GEMMs turn compute-bound,
+    so ``fixed`` dominates (DESIGN 3.5: 128 rows cost ~1.2x one row on an H200); on a CPU
+    rows cost about linearly.
+    """
+
+    fixed: float
+    per_row: float
+
+    def cost(self, rows: int) -> float:
+        return self.fixed + self.per_row * rows if rows else 0.0
+
+
+GPU_COST = PassCostModel(fixed=1.0, per_row=0.0015)
+CPU_COST = PassCostModel(fixed=1.0, per_row=0.05)
 
 
 @dataclass
@@ -49,13 +84,42 @@ class SchedulerStats:
     steps: int = 0
     preemptions: int = 0
     scheduled_tokens: int = 0
+    canonical_passes: int = 0
+    canonical_rows_used: int = 0
+    canonical_rows_padded: int = 0
+    strategy_choices: dict[str, int] = field(default_factory=lambda: {s: 0 for s in STRATEGIES[1:]})
+
+
+@dataclass
+class _Demand:
+    """What one request wants this step: its canonical chunk, and a speculative one if flexible."""
+
+    canonical: ScheduledChunk | None = None
+    fast: ScheduledChunk | None = None
+    required: bool = False
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        canonical_rows: int,
+        verify_window: int,
+        strategy: str = "auto",
+        cost_model: PassCostModel = CPU_COST,
+    ) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown determinism strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.canonical_rows = canonical_rows
+        self.verify_window = verify_window
+        self.strategy = strategy
+        self.cost_model = cost_model
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -79,57 +143,137 @@ class Scheduler:
         self.kv.free(request)
 
     def _preempt(self, request: Request) -> None:
+        """Free a request's blocks; it keeps its committed tokens and drops its proposals."""
         self.running.remove(request)
         self.kv.free(request)
+        del request.token_ids[request.num_committed_tokens :]
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.n_canon = 0
         request.num_preemptions += 1
         self.waiting.appendleft(request)
         self.stats.preemptions += 1
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def must_verify(self, request: Request) -> bool:
+        """The window is full, or the last proposal would end generation."""
+        return request.num_proposals >= self.verify_window or (
+            request.num_proposals > 0
+            and (request.num_output_tokens >= request.max_tokens or request.token_ids[-1] in request.stop_token_set)
+        )
+
+    def _demand(self, request: Request, budget: int) -> _Demand:
+        if not request.deterministic:
+            start = request.num_computed_tokens
+            return _Demand(fast=ScheduledChunk(request, start, min(request.num_tokens - start, budget)))
+        canonical = ScheduledChunk(request, request.n_canon, min(request.num_tokens - request.n_canon, budget))
+        if request.needs_canonical_rows or self.must_verify(request):
+            return _Demand(canonical=canonical, required=True)
+        fast = ScheduledChunk(request, request.num_tokens - 1, 1)
+        return _Demand(canonical=canonical, fast=fast)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
         budget = self.max_num_batched_tokens
-        scheduled: set[int] = set()
+        demands: list[_Demand] = []
+        planned: set[int] = set()
         for request in list(self.running):
             if budget == 0:
                 break
             if request not in self.running:  # preempted below to make room for an earlier one
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate(request, n):
+            demand = self._demand(request, budget)
+            chunk = demand.canonical or demand.fast
+            assert chunk is not None
+            while not self.kv.allocate(request, chunk.end):
                 victim = self.running[-1]
-                if id(victim) in scheduled:  # never undo work already planned this step
+                if id(victim) in planned:  # never undo work already planned this step
                     victim = request
                 self._preempt(victim)
-                out.preempted.append(victim)
+                plan.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
-                scheduled.add(id(request))
-                budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+                demands.append(demand)
+                planned.add(id(request))
+                budget -= chunk.num_tokens
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not plan.preempted:
             request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
-            start = request.num_computed_tokens + len(cached) * self.kv.block_size
-            n = min(request.num_tokens - start, budget)
-            if not self.kv.allocate(request, n, cached):
+            cached = self.kv.find_cached_prefix(request)
+            start = len(cached) * self.kv.block_size
+            end = min(request.num_tokens, start + budget)
+            if not self.kv.allocate(request, end, cached):
                 break
             self.waiting.popleft()
             if request.num_preemptions == 0:
-                request.num_cached_tokens = len(cached) * self.kv.block_size
+                request.num_cached_tokens = start
             request.num_computed_tokens = start
+            request.n_canon = start if request.deterministic else 0
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(ScheduledChunk(request, start, n))
-            budget -= n
+            demand = self._demand(request, budget)
+            demands.append(demand)
+            budget -= (demand.canonical or demand.fast).num_tokens  # type: ignore[union-attr]
+        self._assign_lanes(plan, demands)
         self.stats.steps += 1
-        self.stats.scheduled_tokens += out.num_tokens
-        return out
+        self.stats.scheduled_tokens += plan.num_tokens
+        return plan
 
-    def commit(self, out: SchedulerOutput) -> None:
-        """The step ran: its chunks' K/V is in the cache."""
-        for chunk in out.chunks:
-            chunk.request.num_computed_tokens = chunk.end
-            self.kv.cache_full_blocks(chunk.request)
+    def _passes_cost(self, rows: int) -> float:
+        return cdiv(rows, self.canonical_rows) * self.cost_model.cost(self.canonical_rows)
+
+    def choose_strategy(self, fast_rows: int, required_rows: int, num_flexible: int, flexible_rows: int) -> str:
+        """Cheapest way to run this step's flexible deterministic decodes (DESIGN 3.5)."""
+        if self.strategy != "auto":
+            return self.strategy
+        m = self.cost_model
+        row_share = m.cost(self.canonical_rows) / self.canonical_rows  # each proposal is verified later
+        costs = {
+            "whole": self._passes_cost(fast_rows + required_rows + flexible_rows),
+            "direct": m.cost(fast_rows) + self._passes_cost(required_rows + flexible_rows),
+            "speculate": m.cost(fast_rows + num_flexible) + self._passes_cost(required_rows) + num_flexible * row_share,
+        }
+        return min(costs, key=costs.__getitem__)
+
+    def _assign_lanes(self, plan: StepPlan, demands: list[_Demand]) -> None:
+        fast = [d.fast for d in demands if d.canonical is None and d.fast is not None]
+        required = [d.canonical for d in demands if d.required and d.canonical is not None]
+        flexible = [d for d in demands if d.canonical is not None and not d.required]
+        canonical: list[ScheduledChunk] = list(required)
+        if flexible or (required and fast):
+            strategy = self.choose_strategy(
+                sum(c.num_tokens for c in fast),
+                sum(c.num_tokens for c in required),
+                len(flexible),
+                sum(d.canonical.num_tokens for d in flexible),  # type: ignore[union-attr]
+            )
+            if strategy == "speculate":
+                fast += [d.fast for d in flexible]  # type: ignore[misc]
+            else:
+                canonical += [d.canonical for d in flexible]  # type: ignore[misc]
+            if strategy == "whole":
+                canonical, fast = fast + canonical, []
+            if flexible or strategy == "whole":
+                plan.strategy = strategy
+                self.stats.strategy_choices[strategy] += 1
+        plan.fast = fast
+        plan.canonical = self._pack(canonical)
+
+    def _pack(self, chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
+        """Fill passes of ``canonical_rows`` rows in order, splitting chunks at pass edges."""
+        passes: list[list[ScheduledChunk]] = []
+        room = 0
+        for chunk in chunks:
+            start = chunk.start
+            while start < chunk.end:
+                if room == 0:
+                    passes.append([])
+                    room = self.canonical_rows
+                n = min(room, chunk.end - start)
+                passes[-1].append(ScheduledChunk(chunk.request, start, n))
+                start += n
+                room -= n
+        used = sum(c.num_tokens for c in chunks)
+        self.stats.canonical_passes += len(passes)
+        self.stats.canonical_rows_used += used
+        self.stats.canonical_rows_padded += len(passes) * self.canonical_rows - used
+        return passes

@@ -1,8 +1,10 @@
-"""Turns a scheduled step into tensors, runs the model, and samples.
+"""Turns a planned pass into tensors, runs the model, and samples.
 
-Input: the chunks the scheduler planned and the block ids each request holds. Output:
-per chunk, the sampled token (when the chunk reached the end of its request), its
-logprobs, and the prompt logprobs the chunk's rows produced.
+A *fast* pass has as many rows as it has tokens, computes logits only for rows that need
+them, and attends with the fast schedule. A *canonical* pass (DESIGN 3.1) always has
+exactly ``canonical_rows`` rows (padding rows write nothing), runs the final norm, the LM
+head and sampling on every row, and attends with the canonical schedule, so each row's
+result is a function of its own request and position alone.
 """
 
 from __future__ import annotations
@@ -12,63 +14,92 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sid.engine.kv_cache import cdiv
 from sid.engine.request import Request
 from sid.engine.scheduler import ScheduledChunk
 from sid.model.decoder import CausalLM
 from sid.outputs import Logprob, PositionLogprobs
 from sid.runtime.attention import AttentionMetadata, PagedKVCache
+from sid.runtime.faults import FAULTS
 from sid.runtime.sampler import SamplerOutput, SamplingBatch, compute_logprobs, sample
+from sid.sampling_params import SamplingParams
+
+_PAD_PARAMS = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """The token chosen from the logits at ``position`` (it goes at ``position + 1``)."""
+
+    position: int
+    token_id: int
+    logprobs: PositionLogprobs | None = None
 
 
 @dataclass
 class ChunkResult:
-    token_id: int | None = None
-    logprobs: PositionLogprobs | None = None
+    samples: list[SampledToken] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # canonical rows' logits, when asked for (self-test)
 
 
-def _position_logprobs(out: SamplerOutput, row: int) -> PositionLogprobs:
-    """One row of a ``SamplerOutput`` on the host, as vLLM's ``{token_id: Logprob}``."""
+def _position_logprobs(out: SamplerOutput, row: int, num_top: int) -> PositionLogprobs:
+    """One row of a ``SamplerOutput`` as vLLM's ``{token_id: Logprob}``: chosen token first."""
     assert out.logprob is not None and out.rank is not None
     entry = {int(out.token_ids[row]): Logprob(float(out.logprob[row]), int(out.rank[row]))}
-    if out.top_ids is not None and out.top_logprobs is not None:
-        for rank, (tok, lp) in enumerate(zip(out.top_ids[row].tolist(), out.top_logprobs[row].tolist()), start=1):
+    if num_top and out.top_ids is not None and out.top_logprobs is not None:
+        ids = out.top_ids[row, :num_top].tolist()
+        lps = out.top_logprobs[row, :num_top].tolist()
+        for rank, (tok, lp) in enumerate(zip(ids, lps), start=1):
             entry.setdefault(tok, Logprob(lp, rank))
     return entry
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, model: CausalLM, kv_cache: PagedKVCache, block_size: int, device: torch.device, canonical_rows: int
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        self.canonical_rows = canonical_rows
         self.vocab_size = model.cfg.vocab_size
 
     def _tensor(self, data: Sequence[int] | Sequence[float] | Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def _metadata(self, chunks: Sequence[ScheduledChunk], block_ids: Sequence[Sequence[int]]) -> AttentionMetadata:
+    def _metadata(
+        self, chunks: Sequence[ScheduledChunk], block_ids: Sequence[Sequence[int]], pad: int, canonical: bool
+    ) -> AttentionMetadata:
+        """Cache slots and block tables; ``pad`` trailing rows form one sequence writing nothing."""
         bs = self.block_size
         slots: list[int] = []
         for chunk, blocks in zip(chunks, block_ids):
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(chunk.start, chunk.end))
-        width = max(len(b) for b in block_ids)
-        tables = [list(b) + [0] * (width - len(b)) for b in block_ids]
+        slots.extend([-1] * pad)
+        tables = [list(b) for b in block_ids] + ([[0] * cdiv(pad, bs)] if pad else [])
+        width = max(len(t) for t in tables)
         qsl = [0]
         for chunk in chunks:
             qsl.append(qsl[-1] + chunk.num_tokens)
+        seq_lens = [c.end for c in chunks]
+        if pad:
+            qsl.append(qsl[-1] + pad)
+            seq_lens.append(pad)
         return AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor(tables, torch.int32),
-            seq_lens=self._tensor([c.end for c in chunks], torch.int32),
+            block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
             query_start_loc=self._tensor(qsl, torch.int32),
-            max_query_len=max(c.num_tokens for c in chunks),
-            max_seq_len=max(c.end for c in chunks),
+            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)),
+            max_seq_len=max(seq_lens),
+            canonical=canonical,
         )
 
-    def _sampling_batch(self, requests: Sequence[Request]) -> SamplingBatch:
-        params = [r.params for r in requests]
+    def _sampling_batch(self, rows: Sequence[tuple[Request | None, int]]) -> SamplingBatch:
+        """Settings for rows choosing the token after ``position`` of their request."""
+        params = [r.params if r is not None else _PAD_PARAMS for r, _ in rows]
         v = self.vocab_size
         f32, i64 = torch.float32, torch.int64
         b = SamplingBatch(
@@ -76,8 +107,8 @@ class ModelRunner:
             top_k=self._tensor([p.top_k if p.top_k > 0 else v for p in params], i64),
             top_p=self._tensor([p.top_p for p in params], f32),
             min_p=self._tensor([p.min_p for p in params], f32),
-            seeds=self._tensor([r.seed for r in requests], i64),
-            positions=self._tensor([r.num_tokens for r in requests], i64),
+            seeds=self._tensor([r.seed if r is not None else 0 for r, _ in rows], i64),
+            positions=self._tensor([pos + 1 for _, pos in rows], i64),
             any_random=any(not p.greedy for p in params),
             any_top_k=any(0 < p.top_k < v for p in params),
             any_top_p_or_min_p=any(p.top_p < 1.0 or p.min_p > 0.0 for p in params),
@@ -89,26 +120,30 @@ class ModelRunner:
             b.presence_penalty = self._tensor([p.presence_penalty for p in params], f32)
             b.frequency_penalty = self._tensor([p.frequency_penalty for p in params], f32)
             b.repetition_penalty = self._tensor([p.repetition_penalty for p in params], f32)
-            counts = torch.zeros((len(requests), v), dtype=i64, device=self.device)
-            seen = torch.zeros((len(requests), v), dtype=torch.bool, device=self.device)
-            for i, r in enumerate(requests):
-                if r.params.uses_penalties:
-                    out_ids = self._tensor(r.output_token_ids, i64)
+            counts = torch.zeros((len(rows), v), dtype=i64, device=self.device)
+            seen = torch.zeros((len(rows), v), dtype=torch.bool, device=self.device)
+            for i, (r, pos) in enumerate(rows):
+                if r is not None and r.params.uses_penalties:
+                    out_ids = self._tensor(r.token_ids[r.num_prompt_tokens : pos + 1], i64)
                     counts[i].scatter_add_(0, out_ids, torch.ones_like(out_ids))
-                    seen[i, self._tensor(r.token_ids, i64)] = True
+                    seen[i, self._tensor(r.token_ids[: pos + 1], i64)] = True
             b.output_counts, b.seen = counts, seen
         return b
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[ScheduledChunk], block_ids: Sequence[Sequence[int]]) -> list[ChunkResult]:
-        """Run one forward pass over ``chunks`` and return a result per chunk."""
+    def execute(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        block_ids: Sequence[Sequence[int]],
+        *,
+        canonical: bool = False,
+        keep_logits: bool = False,
+    ) -> list[ChunkResult]:
+        """Run one forward pass over ``chunks``; return what each chunk produced."""
         input_ids: list[int] = []
         positions: list[int] = []
-        prompt_rows: list[int] = []  # rows whose logits score the next prompt token
-        prompt_targets: list[int] = []
-        prompt_owner: list[int] = []
-        sample_rows: list[int] = []
-        sample_owner: list[int] = []
+        prompt_rows: list[tuple[int, int, int]] = []  # (row, target token, chunk)
+        sample_rows: list[tuple[int, int]] = []  # (row, chunk)
         for i, chunk in enumerate(chunks):
             r = chunk.request
             row0 = len(input_ids)
@@ -117,37 +152,56 @@ class ModelRunner:
             if r.wants_prompt_logprobs:
                 first = max(chunk.start, len(r.prompt_logprobs or ()) - 1)
                 for p in range(first, min(chunk.end, r.num_prompt_tokens - 1)):
-                    prompt_rows.append(row0 + p - chunk.start)
-                    prompt_targets.append(r.token_ids[p + 1])
-                    prompt_owner.append(i)
-            if chunk.samples and r.num_output_tokens < r.max_tokens:
-                sample_rows.append(row0 + chunk.num_tokens - 1)
-                sample_owner.append(i)
+                    prompt_rows.append((row0 + p - chunk.start, r.token_ids[p + 1], i))
+            if canonical:
+                sample_rows.extend((row0 + k, i) for k in range(chunk.num_tokens))
+            elif chunk.samples and r.num_output_tokens < r.max_tokens:
+                sample_rows.append((row0 + chunk.num_tokens - 1, i))
+        pad = self.canonical_rows - len(input_ids) if canonical else 0
+        if pad < 0:
+            raise RuntimeError(f"canonical pass of {len(input_ids)} rows exceeds canonical_rows={self.canonical_rows}")
+        input_ids.extend([0] * pad)
+        positions.extend(range(pad))
 
-        self.kv_cache.meta = self._metadata(chunks, block_ids)
-        hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), self.kv_cache)
+        self.kv_cache.meta = self._metadata(chunks, block_ids, pad, canonical)
+        ids = self._tensor(input_ids, torch.int64)
+        hidden = self.model(ids, self._tensor(positions, torch.int64), self.kv_cache)
         results = [ChunkResult() for _ in chunks]
+        rows = [(chunks[i].request, positions[row]) for row, i in sample_rows]
+        if canonical:
+            logits = self.model.compute_logits(hidden)  # every row, padding included
+            if FAULTS.canonical_cross_row:
+                logits = logits + FAULTS.canonical_cross_row * float(ids.sum() % 7)
+            prompt_index = [row for row, _, _ in prompt_rows]
+            sample_logits = logits
+            rows += [(None, 0)] * pad
+            if keep_logits:
+                for i, chunk in enumerate(chunks):
+                    first = sum(c.num_tokens for c in chunks[:i])
+                    results[i].logits = logits[first : first + chunk.num_tokens].clone()
+        else:
+            index = [row for row, _, _ in prompt_rows] + [row for row, _ in sample_rows]
+            if not index:
+                return results
+            logits = self.model.compute_logits(hidden[self._tensor(index, torch.int64)])
+            if FAULTS.fast_lane_logit_noise:
+                gen = torch.Generator(device=self.device).manual_seed(len(input_ids))
+                noise = torch.randn(logits.shape, generator=gen, device=self.device)
+                logits = logits + FAULTS.fast_lane_logit_noise * noise
+            prompt_index = list(range(len(prompt_rows)))
+            sample_logits = logits[len(prompt_rows) :]
         if prompt_rows:
-            logits = self.model.compute_logits(hidden[self._tensor(prompt_rows, torch.int64)])
-            num_top = max(chunks[i].request.params.prompt_logprobs or 0 for i in set(prompt_owner))
-            scored = compute_logprobs(logits, self._tensor(prompt_targets, torch.int64), num_top)
-            for row, owner in enumerate(prompt_owner):
-                results[owner].prompt_logprobs.append(_trim(_position_logprobs(scored, row), chunks[owner].request.params.prompt_logprobs))
+            num_top = max(chunks[i].request.params.prompt_logprobs or 0 for _, _, i in prompt_rows)
+            targets = self._tensor([t for _, t, _ in prompt_rows], torch.int64)
+            scored = compute_logprobs(logits[self._tensor(prompt_index, torch.int64)], targets, num_top)
+            for k, (_, _, i) in enumerate(prompt_rows):
+                own_top = chunks[i].request.params.prompt_logprobs or 0
+                results[i].prompt_logprobs.append(_position_logprobs(scored, k, own_top))
         if sample_rows:
-            logits = self.model.compute_logits(hidden[self._tensor(sample_rows, torch.int64)])
-            requests = [chunks[i].request for i in sample_owner]
-            sampled = sample(logits, self._sampling_batch(requests))
+            sampled = sample(sample_logits, self._sampling_batch(rows))
             tokens = sampled.token_ids.tolist()
-            for row, (owner, request) in enumerate(zip(sample_owner, requests)):
-                results[owner].token_id = tokens[row]
-                if request.params.logprobs is not None:
-                    results[owner].logprobs = _trim(_position_logprobs(sampled, row), request.params.logprobs)
+            for k, (row, i) in enumerate(sample_rows):
+                r = chunks[i].request
+                lp = _position_logprobs(sampled, k, r.params.logprobs) if r.params.logprobs is not None else None
+                results[i].samples.append(SampledToken(positions[row], tokens[k], lp))
         return results
-
-
-def _trim(entry: PositionLogprobs, num_top: int | None) -> PositionLogprobs:
-    """Keep the chosen token (first) and this request's own top-N (the batch may ask for more)."""
-    items = list(entry.items())
-    keep = dict(items[:1])
-    keep.update((tok, lp) for tok, lp in items[1:] if lp.rank <= (num_top or 0))
-    return keep

@@ -90,7 +90,9 @@ def _truncate_distribution(logits: torch.Tensor, b: SamplingBatch) -> torch.Tens
         drop |= ranks[None, :] >= b.top_k[:, None]
     if b.any_top_p_or_min_p:
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        drop |= (probs.cumsum(dim=-1) - probs) > b.top_p[:, None]
+        # Rows with top_p = 1 must stay untouched even where rounding lifts the cumsum past 1,
+        # or a row's tokens would depend on whether another row asked for top-p.
+        drop |= ((probs.cumsum(dim=-1) - probs) > b.top_p[:, None]) & (b.top_p[:, None] < 1.0)
         drop |= probs < b.min_p[:, None] * probs[:, :1]
     drop[:, 0] = False
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))

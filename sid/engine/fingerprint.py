@@ -1,0 +1,67 @@
+"""The numerics fingerprint (DESIGN 3.2): same fingerprint + same request => same bits.
+
+It hashes everything that fixes the canonical numerics: the canonical row count, dtype,
+tensor-parallel size, the attention backend's fixed constants, the source of every module
+on the numerics path, library versions, the processor (GPU model, or CPU model, ISA and
+thread count) and a digest of the weights. Engine settings that must *not* matter (KV pool
+size, max_num_seqs, prefix caching, CUDA graphs, verify window, chunk sizes) stay out.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+_NUMERICS_SOURCES = (
+    "kernels",
+    "model/decoder.py",
+    "model/layers.py",
+    "runtime/attention.py",
+    "runtime/model_runner.py",
+    "runtime/sampler.py",
+)
+
+
+def source_digest() -> str:
+    root = Path(__file__).resolve().parents[1]
+    h = xxhash.xxh3_128()
+    for rel in _NUMERICS_SOURCES:
+        path = root / rel
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            h.update(f.relative_to(root).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def weights_digest(model_dir: Path, load_format: str, seed: int) -> str:
+    """Digest of the weight files' bytes (or of the config and seed for dummy weights)."""
+    h = xxhash.xxh3_128()
+    if load_format == "dummy":
+        h.update(f"dummy:{seed}:".encode())
+        h.update((model_dir / "config.json").read_bytes())
+        return h.hexdigest()
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            while block := fh.read(1 << 24):
+                h.update(block)
+    return h.hexdigest()
+
+
+def processor(device: torch.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        return {"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
+    model = platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        model = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")), model)
+    return {"cpu": model, "isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+
+
+def numerics_fingerprint(config: dict[str, Any]) -> str:
+    """``fp_`` + 16 hex digits over the canonical sort of ``config``."""
+    return "fp_" + xxhash.xxh3_64_hexdigest(json.dumps(config, sort_keys=True, default=str).encode())

@@ -1,0 +1,151 @@
+"""Start-up self-test of the canonical numerics contract (DESIGN 3.7).
+
+The same probe positions are computed in canonical passes that differ in everything the
+contract says must not matter: the slot a row sits in, the other rows of the pass, how
+the probe is chunked across passes, and whether its prefix came from the prefix cache.
+Logits, K/V and tokens sampled at temperature > 0 must agree bit for bit; otherwise
+deterministic mode refuses to start, naming what broke.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+
+from sid.engine.kv_cache import KVCacheManager, cdiv
+from sid.engine.request import Request
+from sid.engine.scheduler import ScheduledChunk
+from sid.runtime.model_runner import ModelRunner
+from sid.sampling_params import SamplingParams
+
+_PARAMS = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=1)
+
+
+class DeterminismSelfTestError(RuntimeError):
+    """Canonical passes are not row-independent on this machine: no guarantee can be served."""
+
+
+@dataclass
+class ProbeRun:
+    tokens: dict[int, int] = field(default_factory=dict)  # position -> token sampled from its logits
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    kv: list[torch.Tensor] = field(default_factory=list)  # per layer: [2, positions, kv_heads, head_dim]
+
+
+class SelfTest:
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, domain: str, max_model_len: int) -> None:
+        self.runner, self.kv, self.domain = runner, kv, domain
+        self.m = runner.canonical_rows
+        bs = kv.block_size
+        capacity = kv.pool.num_free * bs
+        filler = min(self.m, capacity // 3)
+        self.n = min(2 * self.m + 37, max_model_len - 1, capacity - cdiv(filler, bs) * bs)
+        if self.n < 2:
+            raise DeterminismSelfTestError(f"the KV cache ({capacity} token slots) is too small for the self-test")
+        gen = torch.Generator().manual_seed(0)
+        self.probe = torch.randint(0, runner.vocab_size, (self.n,), generator=gen).tolist()
+        self.filler = torch.randint(0, runner.vocab_size, (filler,), generator=gen).tolist()
+        self._ids = count()
+
+    def request(self, tokens: list[int]) -> Request:
+        return Request(
+            request_id=f"selftest-{next(self._ids)}",
+            prompt=None,
+            prompt_token_ids=tokens,
+            params=_PARAMS,
+            seed=_PARAMS.seed or 0,
+            max_tokens=1,
+            eos_token_ids=frozenset(),
+            arrival=0,
+            deterministic=True,
+            domain=self.domain,
+        )
+
+    def run(self, target: Request, start: int, stop: int, rows: Callable[[int], int], fill: Callable[[int], int]) -> ProbeRun:
+        """Positions ``start .. stop - 1`` of ``target`` in passes of ``fill(i)`` filler rows
+        followed by ``rows(i)`` probe rows; ``target`` must hold its blocks already."""
+        kv, m = self.kv, self.m
+        other = self.request(self.filler)
+        if not kv.allocate(other, len(self.filler)):
+            raise DeterminismSelfTestError("the KV cache is too small for the self-test")
+        out = ProbeRun()
+        pos, used, i = start, 0, 0
+        while pos < stop:
+            chunks = []
+            f = min(fill(i), len(self.filler) - used, m - 1)
+            if f > 0:
+                chunks.append(ScheduledChunk(other, used, f))
+                used += f
+            k = min(rows(i), stop - pos, m - f)
+            chunks.append(ScheduledChunk(target, pos, k))
+            blocks = [kv.block_ids(c.request) for c in chunks]
+            res = self.runner.execute(chunks, blocks, canonical=True, keep_logits=True)[-1]
+            assert res.logits is not None
+            for j, sampled in enumerate(res.samples):
+                out.tokens[sampled.position] = sampled.token_id
+                out.logits[sampled.position] = res.logits[j]
+            pos, i = pos + k, i + 1
+        device = self.runner.device
+        ids = torch.tensor(kv.block_ids(target), dtype=torch.int64, device=device)
+        p = torch.arange(stop, device=device)
+        slots = ids[p // kv.block_size] * kv.block_size + p % kv.block_size
+        cache = self.runner.kv_cache
+        out.kv = [torch.stack([k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]]).cpu() for k, v in zip(cache.k, cache.v)]
+        kv.free(other)
+        return out
+
+    def fresh(self, rows: Callable[[int], int], fill: Callable[[int], int]) -> ProbeRun:
+        target = self.request(self.probe)
+        if not self.kv.allocate(target, self.n):
+            raise DeterminismSelfTestError("the KV cache is too small for the self-test")
+        out = self.run(target, 0, self.n, rows, fill)
+        self.kv.free(target)
+        return out
+
+    def on_cached_prefix(self) -> tuple[ProbeRun, int]:
+        """Compute the probe's first half, then the rest on top of its cached blocks."""
+        kv, bs, m = self.kv, self.kv.block_size, self.m
+        half = (self.n // 2 // bs) * bs
+        first = self.request(self.probe)
+        assert kv.allocate(first, half)
+        self.run(first, 0, half, lambda i: m, lambda i: 0)
+        first.n_canon = first.num_computed_tokens = half
+        kv.cache_full_blocks(first)
+        second = self.request(self.probe)
+        cached = kv.find_cached_prefix(second)
+        kv.free(first)
+        if len(cached) * bs != half:
+            raise DeterminismSelfTestError(f"the prefix cache returned {len(cached)} blocks for a {half}-token prefix")
+        assert kv.allocate(second, self.n, cached)
+        out = self.run(second, half, self.n, lambda i: m - 2, lambda i: 2)
+        kv.free(second)
+        return out, half
+
+
+def self_test(runner: ModelRunner, kv: KVCacheManager, domain: str, max_model_len: int) -> None:
+    """Raise ``DeterminismSelfTestError`` unless canonical rows are independent."""
+    test = SelfTest(runner, kv, domain, max_model_len)
+    alone = test.fresh(lambda i: test.m, lambda i: 0)
+    crowded = test.fresh(lambda i: (7, 13, 29, 5)[i % 4], lambda i: (3, 11, 1, 6)[i % 4])
+    _compare(alone, crowded, range(test.n), "other rows in the pass, other slots and other chunking")
+    if kv.enable_prefix_caching and test.n >= 2 * kv.block_size:
+        cached, half = test.on_cached_prefix()
+        _compare(alone, cached, range(half, test.n), "its prefix taken from the prefix cache")
+
+
+def _compare(ref: ProbeRun, other: ProbeRun, positions: range, what: str) -> None:
+    for p in positions:
+        if not torch.equal(ref.logits[p], other.logits[p]):
+            delta = (ref.logits[p] - other.logits[p]).abs().max().item()
+            raise DeterminismSelfTestError(
+                f"deterministic mode refused: canonical logits at probe position {p} change (max |delta| {delta:.3g}) "
+                f"with {what}; canonical rows are not independent on this machine"
+            )
+        if ref.tokens[p] != other.tokens[p]:
+            raise DeterminismSelfTestError(f"deterministic mode refused: the token sampled at position {p} changes with {what}")
+    for layer, (x, y) in enumerate(zip(ref.kv, other.kv)):
+        if not torch.equal(x[:, positions.start :], y[:, positions.start :]):
+            raise DeterminismSelfTestError(f"deterministic mode refused: canonical K/V of layer {layer} changes with {what}")
