@@ -344,7 +344,10 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         progressed: dict[str, Request] = {}
         passes = [(chunks, True) for chunks in plan.canonical] + ([(plan.fast, False)] if plan.fast else [])
-        for chunks, canonical in passes:
+        for planned, canonical in passes:
+            chunks = [c for c in planned if self._still_valid(c, canonical)]
+            if not chunks:
+                continue
             block_ids = [self.kv.block_ids(c.request) for c in chunks]
             results = self.runner.execute(chunks, block_ids, canonical=canonical)
             for chunk, result in zip(chunks, results):
@@ -360,11 +363,18 @@ class LLMEngine:
                 self._detok.pop(request.request_id, None)
         return outputs
 
+    @staticmethod
+    def _still_valid(chunk: ScheduledChunk, canonical: bool) -> bool:
+        """False for the rest of a window split across passes once an earlier pass of the
+        step rolled it back or finished its request."""
+        request = chunk.request
+        if request.finished or chunk.end > request.num_tokens:
+            return False
+        return not (canonical and request.deterministic and chunk.start != request.n_canon)
+
     def _apply(self, chunk: ScheduledChunk, result: ChunkResult, canonical: bool) -> bool:
         """Fold one chunk's results into its request; True if it emitted a token or finished."""
         request = chunk.request
-        if request.finished:  # stopped by an earlier pass of this step
-            return False
         request.num_computed_tokens = max(request.num_computed_tokens, chunk.end)
         if request.prompt_logprobs is not None and result.prompt_logprobs:
             request.prompt_logprobs.extend(self._decorate(e) for e in result.prompt_logprobs)
@@ -401,18 +411,18 @@ class LLMEngine:
                 continue
             if request.max_tokens == 0:
                 break
-            if nxt < request.num_tokens and request.token_ids[nxt] != sampled.token_id:
-                discarded = request.num_tokens - nxt
+            rollback = nxt < request.num_tokens and request.token_ids[nxt] != sampled.token_id
+            if rollback:
                 self.stats.rollbacks += 1
-                self.stats.recomputed_tokens += discarded
+                self.stats.recomputed_tokens += request.num_tokens - nxt
                 del request.token_ids[nxt:]
-                self.kv.truncate(request, nxt)
+                self.kv.truncate(request, nxt)  # later rows of this pass read the wrong tokens
             if nxt == request.num_tokens:
                 request.token_ids.append(sampled.token_id)
             else:
                 self.stats.accepted_tokens += 1
             self._emit(request, sampled.logprobs)
-            if request.finished:
+            if rollback or request.finished:
                 break
 
     def _emit(self, request: Request, logprobs: PositionLogprobs | None) -> None:

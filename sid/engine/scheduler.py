@@ -98,6 +98,16 @@ class _Demand:
     fast: ScheduledChunk | None = None
     required: bool = False
 
+    @property
+    def upto(self) -> int:
+        """Positions that need cache slots, whichever lane the request ends up in."""
+        return max(c.end for c in (self.canonical, self.fast) if c is not None)
+
+    @property
+    def rows(self) -> int:
+        """Token budget taken: the larger of the two alternatives."""
+        return max(c.num_tokens for c in (self.canonical, self.fast) if c is not None)
+
 
 class Scheduler:
     def __init__(
@@ -182,9 +192,7 @@ class Scheduler:
             if request not in self.running:  # preempted below to make room for an earlier one
                 continue
             demand = self._demand(request, budget)
-            chunk = demand.canonical or demand.fast
-            assert chunk is not None
-            while not self.kv.allocate(request, chunk.end):
+            while not self.kv.allocate(request, demand.upto):
                 victim = self.running[-1]
                 if id(victim) in planned:  # never undo work already planned this step
                     victim = request
@@ -195,7 +203,7 @@ class Scheduler:
             else:
                 demands.append(demand)
                 planned.add(id(request))
-                budget -= chunk.num_tokens
+                budget -= demand.rows
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not plan.preempted:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request)
@@ -212,7 +220,7 @@ class Scheduler:
             self.running.append(request)
             demand = self._demand(request, budget)
             demands.append(demand)
-            budget -= (demand.canonical or demand.fast).num_tokens  # type: ignore[union-attr]
+            budget -= demand.rows
         self._assign_lanes(plan, demands)
         self.stats.steps += 1
         self.stats.scheduled_tokens += plan.num_tokens

@@ -1,0 +1,222 @@
+"""Deterministic requests: identical bits under any batch composition, strategy and setting.
+
+CPU float32 is where batch variance is real (DESIGN 1), and the fault-injection hook makes
+the fast lane's numerics depend on the batch strongly enough to flip tokens, so these
+tests would fail if deterministic outputs took anything from the fast lane.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sid import LLM, SamplingParams
+from sid.engine.engine import DEFAULT_DETERMINISTIC_SEED
+from sid.engine.router import RequestContext, Router, RouterPolicy, Rule
+from sid.engine.selftest import DeterminismSelfTestError
+from sid.repro import Repro, summarize
+from sid.runtime.faults import FAULTS
+
+PROMPT = "def fibonacci(n):\n"
+CROWD = ["import os\n", "class Node:\n    def __init__(self", "x = [", "# utils\n" * 12, "    for i in range("]
+
+
+@pytest.fixture
+def faults(monkeypatch: pytest.MonkeyPatch):
+    """The fast lane's logits get batch-size-dependent noise big enough to flip tokens."""
+    monkeypatch.setattr(FAULTS, "fast_lane_logit_noise", 3.0)
+    return FAULTS
+
+
+def det(max_tokens: int = 32, **kw: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, deterministic=True, **{"temperature": 0.0, **kw})
+
+
+def crowd_params(n: int) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=10 + 3 * i, temperature=1.0, seed=i, ignore_eos=True) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(trained_model: Path) -> dict[str, list[int]]:
+    """Deterministic outputs computed alone, with no faults."""
+    llm = LLM(str(trained_model), num_kv_blocks=512)
+    outs = llm.generate(
+        [PROMPT, PROMPT, PROMPT], [det(), det(temperature=0.9, top_p=0.95, seed=5), det(logprobs=3)], use_tqdm=False
+    )
+    return {"greedy": outs[0].outputs[0].token_ids, "seeded": outs[1].outputs[0].token_ids, "logprobs": outs[2]}
+
+
+def test_repro_six_compositions_three_trials_under_fast_lane_faults(trained_model: Path, faults: object) -> None:
+    llm = LLM(str(trained_model))
+    runs = Repro(llm.llm_engine, max_tokens=24, trials=3, long_prompt=256, prompt=PROMPT).run()
+    summary = summarize(runs)
+    assert summary["deterministic"]["runs"] == 18 and summary["deterministic"]["distinct_outputs"] == 1
+    assert all(r.first_divergence is None for r in runs if r.mode == "deterministic")
+    assert summary["deterministic"]["rollbacks"] > 0  # the faults really hit the proposals
+    assert summary["normal"]["distinct_outputs"] > 1  # and really change what the fast lane computes
+
+
+def test_deterministic_output_equals_the_unperturbed_alone_run(
+    trained_model: Path, reference: dict, faults: object
+) -> None:
+    llm = LLM(str(trained_model), num_kv_blocks=512)
+    for key, params in (("greedy", det()), ("seeded", det(temperature=0.9, top_p=0.95, seed=5))):
+        outs = llm.generate([*CROWD[:2], PROMPT, *CROWD[2:]], [*crowd_params(2), params, *crowd_params(3)], use_tqdm=False)
+        assert outs[2].outputs[0].token_ids == reference[key], key
+        assert outs[2].deterministic and not outs[0].deterministic
+        assert outs[2].fingerprint == llm.llm_engine.fingerprint
+    normal = llm.generate(PROMPT, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert normal.outputs[0].token_ids != reference["greedy"]  # the fault does reach normal requests
+    assert llm.llm_engine.get_stats()["rollbacks"] > 0
+
+
+def test_logprobs_of_deterministic_requests_are_canonical(trained_model: Path, reference: dict, faults: object) -> None:
+    llm = LLM(str(trained_model), num_kv_blocks=512)
+    outs = llm.generate([PROMPT, *CROWD], [det(logprobs=3), *crowd_params(len(CROWD))], use_tqdm=False)
+    ref = reference["logprobs"].outputs[0]
+    assert outs[0].outputs[0].token_ids == ref.token_ids
+    assert outs[0].outputs[0].logprobs == ref.logprobs  # bit-identical floats, ranks and top-3 sets
+
+
+def test_default_seed_is_documented_and_used(trained_model: Path) -> None:
+    llm = LLM(str(trained_model), num_kv_blocks=128)
+    a = llm.generate(PROMPT, det(temperature=0.9), use_tqdm=False)[0].outputs[0].token_ids
+    b = llm.generate(PROMPT, det(temperature=0.9, seed=DEFAULT_DETERMINISTIC_SEED), use_tqdm=False)[0]
+    assert a == b.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("strategy", ["speculate", "direct", "whole"])
+def test_every_strategy_gives_the_same_bits(trained_model: Path, reference: dict, faults: object, strategy: str) -> None:
+    llm = LLM(str(trained_model), num_kv_blocks=512, determinism_strategy=strategy)
+    outs = llm.generate([PROMPT, PROMPT, *CROWD], [det(), det(temperature=0.9, top_p=0.95, seed=5), *crowd_params(len(CROWD))], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == reference["greedy"]
+    assert outs[1].outputs[0].token_ids == reference["seeded"]
+    stats = llm.llm_engine.get_stats()
+    assert stats["strategy_choices"][strategy] > 0
+    assert sum(stats["strategy_choices"].values()) == stats["strategy_choices"][strategy]
+
+
+def test_auto_strategy_follows_the_cost_model(trained_model: Path) -> None:
+    llm = LLM(str(trained_model), num_kv_blocks=512)
+    sched = llm.llm_engine.scheduler
+    # A GPU-like cost model (passes cost about the same up to M rows) prefers canonical passes;
+    # a CPU-like one (cost per row) prefers speculating one row per request in the fast lane.
+    from sid.engine.scheduler import CPU_COST, GPU_COST
+
+    sched.cost_model = GPU_COST
+    # Few rows in all: one canonical pass does everything.
+    assert sched.choose_strategy(fast_rows=20, required_rows=0, num_flexible=4, flexible_rows=4) == "whole"
+    # A busy fast lane and no canonical pass due: speculating avoids a pass this step.
+    assert sched.choose_strategy(fast_rows=200, required_rows=0, num_flexible=4, flexible_rows=4) == "speculate"
+    # A canonical pass runs anyway: decoding directly in its spare rows is free.
+    assert sched.choose_strategy(fast_rows=200, required_rows=10, num_flexible=4, flexible_rows=4) == "direct"
+    sched.cost_model = CPU_COST
+    assert sched.choose_strategy(fast_rows=20, required_rows=0, num_flexible=2, flexible_rows=2) == "speculate"
+
+
+def test_canonical_prefix_blocks_are_reused_and_fast_blocks_never_read(trained_model: Path) -> None:
+    llm = LLM(str(trained_model), num_kv_blocks=256)
+    prompt = "import numpy as np\n" * 12 + PROMPT
+    fast = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
+    assert fast.num_cached_tokens == 0
+    first = llm.generate(prompt, det(8), use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0  # the fast request's blocks are not in its domain
+    second = llm.generate(prompt, det(8), use_tqdm=False)[0]
+    assert second.num_cached_tokens >= 48  # canonical blocks from the first deterministic run
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    cold = LLM(str(trained_model), num_kv_blocks=256, enable_prefix_caching=False)
+    assert cold.generate(prompt, det(8), use_tqdm=False)[0].outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_preemption_mid_window_keeps_the_output(trained_model: Path, reference: dict, faults: object) -> None:
+    llm = LLM(str(trained_model), num_kv_blocks=20, block_size=8, verify_window=8, determinism_strategy="speculate")
+    scheduler = llm.llm_engine.scheduler
+    preempted_with_proposals = []
+    original = scheduler._preempt
+
+    def recording(request):  # noqa: ANN001, ANN202 - wraps the scheduler's own method
+        if request.deterministic:
+            preempted_with_proposals.append(request.num_proposals)
+        original(request)
+
+    scheduler._preempt = recording  # type: ignore[method-assign]
+    long_crowd = [SamplingParams(max_tokens=60, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)]
+    outs = llm.generate([*CROWD[:4], PROMPT], [*long_crowd, det()], use_tqdm=False)  # arriving last: first victim
+    assert any(k > 0 for k in preempted_with_proposals), preempted_with_proposals
+    assert outs[4].outputs[0].token_ids == reference["greedy"]
+    assert all(len(o.outputs[0].token_ids) == 60 for o in outs[:4])
+
+
+def test_broken_row_independence_makes_the_self_test_refuse(trained_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(FAULTS, "canonical_cross_row", 1e-3)
+    with pytest.raises(DeterminismSelfTestError, match="not independent on this machine"):
+        LLM(str(trained_model), num_kv_blocks=64)
+    llm = LLM(str(trained_model), num_kv_blocks=64, enable_determinism=False)  # the fast lane still serves
+    with pytest.raises(ValueError, match="enable_determinism"):
+        llm.generate(PROMPT, det(), use_tqdm=False)
+
+
+SETTINGS = [
+    dict(num_kv_blocks=96),
+    dict(max_num_seqs=2),
+    dict(enable_prefix_caching=False),
+    dict(enforce_eager=True),
+    dict(verify_window=3),
+    dict(max_num_batched_tokens=7),
+    dict(block_size=8),
+]
+
+
+def test_same_bits_under_other_settings_and_in_a_fresh_process(trained_model: Path, reference: dict) -> None:
+    fingerprints = set()
+    for settings in SETTINGS:
+        llm = LLM(str(trained_model), **settings)
+        outs = llm.generate([PROMPT, *CROWD[:3]], [det(), *crowd_params(3)], use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == reference["greedy"], settings
+        fingerprints.add(outs[0].fingerprint)
+    assert len(fingerprints) == 1
+    code = (
+        "import json, sys; from sid import LLM, SamplingParams;"
+        f"o = LLM({str(trained_model)!r}).generate({PROMPT!r}, SamplingParams(max_tokens=32, temperature=0, "
+        "ignore_eos=True, deterministic=True), use_tqdm=False)[0];"
+        "print(json.dumps([o.outputs[0].token_ids, o.fingerprint]))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    tokens, fingerprint = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert tokens == reference["greedy"] and fingerprint in fingerprints
+
+
+def test_fingerprint_changes_with_the_numerics(trained_model: Path) -> None:
+    base = LLM(str(trained_model), num_kv_blocks=64).llm_engine.fingerprint
+    assert LLM(str(trained_model), num_kv_blocks=64, canonical_rows=16).llm_engine.fingerprint != base
+    assert LLM(str(trained_model), num_kv_blocks=64, dtype="bfloat16").llm_engine.fingerprint != base
+
+
+def test_router_precedence() -> None:
+    policy = RouterPolicy(
+        rules=(Rule(deterministic=True, api_key="audit"), Rule(deterministic=True, seeded=True), Rule(deterministic=False, user="bulk")),
+        default=False,
+    )
+    router = Router(policy)
+    plain = SamplingParams()
+    assert router.decide(plain) == (False, "default")
+    assert router.decide(plain, RequestContext(api_key="audit")) == (True, "rule:0")
+    assert router.decide(SamplingParams(seed=1), RequestContext(user="bulk")) == (True, "rule:1")
+    assert router.decide(SamplingParams(deterministic=False), RequestContext(api_key="audit")) == (False, "field")
+    assert router.decide(plain, RequestContext(api_key="audit", header=False)) == (False, "header")
+    assert Router(RouterPolicy(default=True)).decide(plain) == (True, "default")
+    with pytest.raises(ValueError, match="router rule 0"):
+        RouterPolicy.from_dict({"rules": [{"deterministic": True, "colour": "red"}]})
+
+
+def test_router_policy_routes_engine_requests(trained_model: Path, tmp_path: Path) -> None:
+    policy = tmp_path / "router.json"
+    policy.write_text(json.dumps({"rules": [{"deterministic": True, "greedy": True}], "default": False}))
+    llm = LLM(str(trained_model), num_kv_blocks=64, router_policy=str(policy))
+    greedy, sampled = llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=4, temperature=0), SamplingParams(max_tokens=4)], use_tqdm=False)
+    assert greedy.deterministic and not sampled.deterministic
