@@ -28,3 +28,35 @@ def test_generate_reports_bad_input_clearly(tmp_path: Path) -> None:
     assert "no config.json" in proc.stderr
     proc = run_cli("generate", "--prompt", "x", "--temperature", "-1")
     assert proc.returncode == 2 and "temperature" in proc.stderr
+
+
+def test_receipts_replay_match_and_refuse(trained_model: Path, tmp_path: Path) -> None:
+    import json
+
+    from sid.receipts import token_hash
+
+    receipts = tmp_path / "receipts.jsonl"
+    proc = run_cli(
+        "generate", "--model", str(trained_model), "--prompt", "def main(", "--prompt", "import os",
+        "--max-tokens", "12", "--temperature", "0.7", "--deterministic", "--receipts", str(receipts),
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in receipts.read_text().splitlines()]
+    assert len(records) == 2 and all(r["params"]["seed"] == 0 for r in records)
+    assert f"fingerprint {records[0]['fingerprint']}" in proc.stderr
+    proc = run_cli("replay", str(receipts), "--model", str(trained_model))
+    assert proc.returncode == 0 and proc.stdout.count("MATCH") == 2, proc.stdout + proc.stderr
+
+    tampered = dict(records[0])
+    tampered["output_token_ids"] = list(tampered["output_token_ids"])
+    tampered["output_token_ids"][5] += 1
+    tampered["output_hash"] = token_hash(tampered["output_token_ids"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(tampered) + "\n")
+    proc = run_cli("replay", str(bad), "--model", str(trained_model))
+    assert proc.returncode == 1 and "MISMATCH" in proc.stdout and "first divergence at token 5" in proc.stdout
+
+    other = dict(records[1], fingerprint="fp_0123456789abcdef")
+    bad.write_text(json.dumps(other) + "\n")
+    proc = run_cli("replay", str(bad), "--model", str(trained_model))
+    assert proc.returncode == 2 and "differs from this engine's" in proc.stderr

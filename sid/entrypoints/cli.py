@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -26,11 +27,48 @@ def _generate(args: argparse.Namespace) -> int:
         load_format=args.load_format,
         enforce_eager=args.enforce_eager,
     )
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    for out in llm.generate(args.prompt, params, use_tqdm=False):
-        sys.stdout.write(out.prompt or "")
-        sys.stdout.write(out.outputs[0].text + "\n")
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        deterministic=True if args.deterministic else None,
+    )
+    engine = llm.llm_engine
+    requests = [engine.make_request(f"cli-{i}", p, params) for i, p in enumerate(args.prompt)]
+    for request in requests:
+        engine.enqueue(request)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    for request in requests:
+        out = finished[request.request_id]
+        sys.stdout.write((out.prompt or "") + out.outputs[0].text + "\n")
+        if args.receipts and out.deterministic:
+            from sid.receipts import append_receipt, make_receipt
+
+            append_receipt(args.receipts, make_receipt(out, params, request.seed, engine.config.model or ""))
+    if args.deterministic:
+        print(f"fingerprint {engine.fingerprint}", file=sys.stderr)
     return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from sid import LLM
+    from sid.receipts import load_receipts, replay
+
+    records = load_receipts(args.record)
+    llm = LLM(args.model or records[0].get("model"), device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    failures = 0
+    for record in records:
+        result = replay(llm.llm_engine, record)
+        failures += not result.match
+        where = "" if result.match else f", first divergence at token {result.first_divergence}"
+        print(f"{result.request_id}: {'MATCH' if result.match else 'MISMATCH'} ({result.replayed_tokens} tokens{where})")
+        if args.json:
+            print(json.dumps(asdict(result)))
+    return 1 if failures else 0
 
 
 def _repro(args: argparse.Namespace) -> int:
@@ -78,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--deterministic", action="store_true", help="serve through the canonical lane")
+    gen.add_argument("--receipts", default=None, help="append a receipt of each deterministic response to FILE")
     repro = sub.add_parser("repro", help="the repro experiment: one prompt, six batch compositions, normal vs deterministic")
     _add_engine_args(repro)
     repro.add_argument("--prompt", default=None, help="target prompt (default: a fixed code prompt)")
@@ -87,9 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     repro.add_argument("--canonical-rows", type=int, default=None)
     repro.add_argument("--verify-window", type=int, default=8)
     repro.add_argument("--out", default="out/repro", help="folder for repro.json and repro.png")
+    rep = sub.add_parser("replay", help="re-run recorded deterministic responses and check their bits")
+    rep.add_argument("record", help="a receipts file (JSON Lines) written by `sid generate --receipts` or the server")
+    _add_engine_args(rep)
+    rep.add_argument("--json", action="store_true", help="also print each result as JSON")
     args = parser.parse_args(argv)
     try:
-        return {"generate": _generate, "repro": _repro}[args.command](args)
+        return {"generate": _generate, "repro": _repro, "replay": _replay}[args.command](args)
     except ValueError as exc:
         print(f"sid: error: {exc}", file=sys.stderr)
         return 2
