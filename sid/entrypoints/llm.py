@@ -29,6 +29,11 @@ class LLM:
     def get_tokenizer(self):  # noqa: ANN201 - a transformers tokenizer or None
         return self.llm_engine.tokenizer
 
+    def stats(self) -> dict[str, Any]:
+        """Engine counters: deterministic requests, verifications, rollbacks, recomputed
+        tokens, canonical rows used vs padded, strategy choices, preemptions, cache hits."""
+        return self.llm_engine.get_stats()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
