@@ -1,0 +1,114 @@
+"""Cost of determinism (DESIGN 7): offline throughput with 0/2/10/50/100 % deterministic traffic.
+
+Each fraction runs the same workload (median of ``--repeats`` runs), normalised to 0 %.
+Reported beside it: the throughput of the *non-deterministic* requests alone (what the
+router's choice costs everyone else), rollbacks, recomputed tokens and which strategy the
+scheduler chose. Deterministic requests are chosen by a seeded draw, so every run of a
+fraction routes the same requests.
+
+    python benchmarks/determinism_cost.py --smoke                         # CPU, built-in model
+    python benchmarks/determinism_cost.py --model qwen3-0.6b --requests 256   # H200, dummy weights
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import PRESETS, model_dir, table, workload, write_json  # noqa: E402
+
+from sid import LLM, SamplingParams  # noqa: E402
+
+FRACTIONS = (0.0, 0.02, 0.10, 0.50, 1.0)
+
+
+def run_once(llm: LLM, requests: list[tuple[list[int], int]], fraction: float) -> dict[str, float]:
+    rng = random.Random(1)
+    flags = [rng.random() < fraction for _ in requests]
+    params = [
+        SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True, deterministic=flag)
+        for (_, out), flag in zip(requests, flags)
+    ]
+    before = llm.stats()
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = llm.stats()
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    normal_tokens = sum(len(o.outputs[0].token_ids) for o, f in zip(outs, flags) if not f)
+    return {
+        "seconds": seconds,
+        "output_tok_s": out_tokens / seconds,
+        "normal_output_tok_s": normal_tokens / seconds,
+        "deterministic_requests": sum(flags),
+        "rollbacks": after["rollbacks"] - before["rollbacks"],
+        "recomputed_tokens": after["recomputed_tokens"] - before["recomputed_tokens"],
+        "proposed_tokens": after["proposed_tokens"] - before["proposed_tokens"],
+        "canonical_passes": after["canonical_passes"] - before["canonical_passes"],
+        **{f"chose_{k}": v - before["strategy_choices"][k] for k, v in after["strategy_choices"].items()},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint path or preset (llama-3.1-8b, qwen3-0.6b)")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--min-len", type=int, default=100)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
+    ap.add_argument("--strategy", default="auto")
+    ap.add_argument("--canonical-rows", type=int, default=None)
+    ap.add_argument("--verify-window", type=int, default=8)
+    ap.add_argument("--smoke", action="store_true", help="CPU-sized: 24 requests of 16..64 tokens on the default model")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.smoke:
+        args.requests, args.min_len, args.max_len = 24, 16, 64
+    llm = LLM(
+        model_dir(args.model) if args.model else None,
+        load_format="dummy" if args.model in PRESETS else "auto",
+        max_model_len=2 * args.max_len + 16,
+        canonical_rows=args.canonical_rows,
+        verify_window=args.verify_window,
+        determinism_strategy=args.strategy,
+    )
+    engine = llm.llm_engine
+    requests = workload(args.requests, args.min_len, args.max_len, engine.model_config.vocab_size)
+    run_once(llm, requests[: max(2, len(requests) // 8)], 0.5)  # warm-up (allocator, kernels, graphs)
+    rows = []
+    for fraction in map(float, args.fractions.split(",")):
+        runs = [run_once(llm, requests, fraction) for _ in range(args.repeats)]
+        median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        rows.append({"fraction": fraction, **median, "runs": runs})
+    base = rows[0]["output_tok_s"]
+    for row in rows:
+        row["normalised"] = row["output_tok_s"] / base
+        row["normal_share"] = row["normal_output_tok_s"] / base
+    meta = {
+        "model": args.model or engine.config.model,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype),
+        "canonical_rows": engine.canonical_rows,
+        "verify_window": engine.config.verify_window,
+        "strategy": args.strategy,
+        "requests": args.requests,
+        "lengths": [args.min_len, args.max_len],
+        "fingerprint": engine.fingerprint,
+    }
+    path = write_json("determinism_cost", {**meta, "rows": rows}, args.out)
+    cols = ["fraction", "output_tok_s", "normalised", "normal_output_tok_s", "rollbacks", "recomputed_tokens",
+            "proposed_tokens", "canonical_passes", "chose_speculate", "chose_direct", "chose_whole"]
+    print(f"{meta['model']} on {meta['device']} ({meta['dtype']}), M_canon={meta['canonical_rows']}, W={meta['verify_window']}")
+    print(table(rows, cols))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
