@@ -15,24 +15,21 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from sid.kernels import paged_attention as attention
 from sid.kernels.attention_ref import (
     paged_attention_canonical_ref,
     paged_attention_ref,
     store_kv_ref,
 )
+from sid.kernels.kv_store import store_kv
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK_SIZE = 16
 JUNK_BLOCK = 1 << 30
 """Block-table entry past a sequence's blocks: any read of it faults or fails the test."""
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
-
-
-def _kernels():
-    """Kernel modules, imported late so the interpreter switch in conftest is already set."""
-    from sid.kernels import kv_store, paged_attention
-
-    return kv_store, paged_attention
+SPLIT = attention.CANONICAL_CONFIG["kv_split"]
+"""Canonical split boundary: the batches below put rows and chunks on both sides of it."""
 
 
 class Pool:
@@ -50,7 +47,7 @@ class Pool:
         return torch.randn(shape, generator=self.gen), torch.randn(shape, generator=self.gen)
 
     def add(self, keys: torch.Tensor, values: torch.Tensor) -> list[int]:
-        """Store a context's K/V; returns its block ids. Every third free block is left as a hole."""
+        """Store a context's K/V; returns its block ids. Some free blocks are skipped, leaving holes."""
         blocks = []
         while len(blocks) * BLOCK_SIZE < len(keys):
             if len(self.free) % 3 == 0:
@@ -99,9 +96,12 @@ def mixed_batch(pool: Pool, heads: int, shapes: list[tuple[int, int]]) -> Batch:
     return make_batch(seqs)
 
 
-# Mixed step: decode past a split boundary, fresh prefill, an empty sequence, a chunk whose
-# cached prefix crosses a split boundary, a tiny decode, a chunk inside one tile.
-MIXED = [(700, 1), (37, 37), (50, 0), (600, 24), (1, 1), (130, 5)]
+def mixed_shapes(canonical: bool) -> list[tuple[int, int]]:
+    """(context, query rows) of a mixed step: a long decode, a fresh prefill, an empty sequence,
+    a chunk over a cached prefix, a tiny decode, a short chunk. For the canonical schedule the
+    long ones cross its split boundary; the fast one is kept short (the interpreter is slow)."""
+    long = SPLIT if canonical else 256
+    return [(long + 60, 1), (37, 37), (50, 0), (long + 4, 12), (1, 1), (130, 5)]
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -114,7 +114,6 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> 
     [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)],
 )
 def test_store_kv_writes_only_its_slots(in_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
-    kv_store, _ = _kernels()
     gen = torch.Generator().manual_seed(0)
     num_tokens, kv_heads, head_dim = 40, 2, 64
     # K and V as strided views of one fused projection, like the model's qkv output.
@@ -126,7 +125,7 @@ def test_store_kv_writes_only_its_slots(in_dtype: torch.dtype, cache_dtype: torc
     v_cache = torch.full_like(k_cache, -9.0)
     k_want, v_want = k_cache.clone(), v_cache.clone()
     store_kv_ref(key, value, k_want, v_want, slots.to(DEVICE))
-    kv_store.store_kv(key, value, k_cache, v_cache, slots.to(DEVICE))
+    store_kv(key, value, k_cache, v_cache, slots.to(DEVICE))
     assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
     assert (k_cache != -7.0).sum() == (slots >= 0).sum() * kv_heads * head_dim
 
@@ -136,34 +135,35 @@ def test_store_kv_writes_only_its_slots(in_dtype: torch.dtype, cache_dtype: torc
     [
         (torch.float32, 2, 2, 64),
         (torch.float32, 4, 2, 128),
-        (torch.float32, 8, 2, 64),
-        (torch.float32, 4, 1, 32),
-        (torch.bfloat16, 8, 2, 128),
-        (torch.float16, 4, 1, 64),
+        (torch.float32, 8, 1, 32),
+        (torch.bfloat16, 8, 2, 64),
+        (torch.float16, 4, 1, 128),
     ],
 )
 @pytest.mark.parametrize("canonical", [False, True])
 def test_paged_attention_matches_reference(
     dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, canonical: bool
 ) -> None:
-    _, attention = _kernels()
-    pool = Pool(160, kv_heads, head_dim, dtype, seed=heads * 31 + head_dim)
-    batch = mixed_batch(pool, heads, MIXED)
+    pool = Pool(260, kv_heads, head_dim, dtype, seed=heads * 31 + head_dim)
+    shapes = mixed_shapes(canonical)
+    batch = mixed_batch(pool, heads, shapes)
     batch.q = batch.q.to(dtype)
     scale = 1 / math.sqrt(head_dim)
-    out = torch.full_like(batch.q, float("nan"))
+    # ``out`` is a view inside a NaN buffer: every row must be written, the guard rows never.
+    buffer = torch.full((len(batch.q) + 2, *batch.q.shape[1:]), float("nan"), dtype=dtype, device=DEVICE)
+    out = buffer[1:-1]
     got = attention.paged_attention(
-        *batch.args(pool), scale, canonical=canonical, out=out, max_query_len=37, max_seq_len=700
+        *batch.args(pool), scale, canonical=canonical, out=out, max_query_len=37, max_seq_len=shapes[0][0]
     )
     assert got is out
     assert not out.isnan().any()
+    assert buffer[0].isnan().all() and buffer[-1].isnan().all()
     ref = paged_attention_canonical_ref if canonical else paged_attention_ref
     _close(out, ref(*batch.args(pool), scale), dtype)
 
 
 def test_fast_schedule_splits_kv_and_agrees_with_canonical() -> None:
     """A thin decode batch takes the split-KV path; it and the canonical schedule agree."""
-    _, attention = _kernels()
     pool = Pool(120, 1, 64, torch.float32, seed=5)
     batch = mixed_batch(pool, 4, [(900, 1), (300, 1)])
     sched = attention._fast_schedule(2, 2, 4, 1, 1, 900, DEVICE)
@@ -176,7 +176,6 @@ def test_fast_schedule_splits_kv_and_agrees_with_canonical() -> None:
 
 def test_max_lengths_are_optional() -> None:
     """Without host maxima the launch reads them from the device and gives the same result."""
-    _, attention = _kernels()
     pool = Pool(80, 2, 64, torch.float32, seed=6)
     batch = mixed_batch(pool, 4, [(200, 1), (90, 12)])
     for canonical in (False, True):
@@ -186,8 +185,8 @@ def test_max_lengths_are_optional() -> None:
         assert torch.equal(attention.paged_attention(*batch.args(pool), 0.125, canonical=canonical), given)
 
 
-TARGET_LEN = 600
-"""Target context: its rows straddle the canonical split boundary (512) and several tiles."""
+FIRST, MID, LAST = SPLIT - 24, SPLIT + 2, SPLIT + 15
+"""Target rows FIRST..LAST straddle the canonical split boundary; MID splits them into chunks."""
 
 
 Variant = tuple[list[tuple[list[int], int, torch.Tensor]], list[tuple[int, int]]]
@@ -200,10 +199,10 @@ def _target_variants(dtype: torch.dtype) -> tuple[Pool, list[Variant]]:
     the target's K/V sit twice in the pool, at two different sets of blocks.
     """
     heads, kv_heads, head_dim = 4, 2, 64
-    pool = Pool(320, kv_heads, head_dim, dtype, seed=11)
-    keys, values = pool.random_kv(TARGET_LEN)
+    pool = Pool(520, kv_heads, head_dim, dtype, seed=11)
+    keys, values = pool.random_kv(LAST + 1)
     home, copy = pool.add(keys, values), pool.add(keys, values)
-    q_all = torch.randn(TARGET_LEN, heads, head_dim, generator=pool.gen).to(dtype)
+    q_all = torch.randn(LAST + 1, heads, head_dim, generator=pool.gen).to(dtype)
 
     def target(blocks: list[int], first: int, last: int) -> tuple[list[int], int, torch.Tensor]:
         return blocks, last + 1, q_all[first : last + 1]
@@ -213,13 +212,19 @@ def _target_variants(dtype: torch.dtype) -> tuple[Pool, list[Variant]]:
         return pool.add(k, v), ctx, torch.randn(q_len, heads, head_dim, generator=pool.gen).to(dtype)
 
     variants = [
-        ([target(home, 560, 599)], [(0, 560)]),
-        ([other(900, 1), other(100, 30), target(copy, 560, 599), other(50, 1)], [(2, 560)]),
-        ([other(20, 3), target(home, 560, 572)], [(1, 560)]),
-        ([target(copy, 573, 599), other(640, 9)], [(0, 573)]),
+        ([target(home, FIRST, LAST)], [(0, FIRST)]),
+        ([other(SPLIT + 300, 1), other(100, 30), target(copy, FIRST, LAST), other(50, 1)], [(2, FIRST)]),
+        ([other(20, 3), target(home, FIRST, MID - 1)], [(1, FIRST)]),
+        ([target(copy, MID, LAST), other(SPLIT + 40, 9)], [(0, MID)]),
         (
-            [other(33, 1), target(home, 560, 560), target(copy, 575, 575), other(70, 7), target(home, 599, 599)],
-            [(1, 560), (2, 575), (4, 599)],
+            [
+                other(33, 1),
+                target(home, FIRST, FIRST),
+                target(copy, SPLIT, SPLIT),
+                other(70, 7),
+                target(home, LAST, LAST),
+            ],
+            [(1, FIRST), (2, SPLIT), (4, LAST)],
         ),
     ]
     return pool, variants
@@ -230,7 +235,6 @@ def _target_variants(dtype: torch.dtype) -> tuple[Pool, list[Variant]]:
 def test_canonical_rows_are_bit_identical_in_any_batch(dtype: torch.dtype, impl: str) -> None:
     """A row's canonical output depends only on its position and keys: not on the other rows,
     the query tiling, chunking, decode vs prefill, the number of sequences, or block placement."""
-    _, attention = _kernels()
     pool, variants = _target_variants(dtype)
     scale = 0.125
     results: dict[int, list[torch.Tensor]] = {}
@@ -244,7 +248,7 @@ def test_canonical_rows_are_bit_identical_in_any_batch(dtype: torch.dtype, impl:
         for s, first in targets:
             for i in range(starts[s], starts[s + 1]):
                 results.setdefault(first + i - starts[s], []).append(out[i])
-    assert {p for p, outs in results.items() if len(outs) > 1} >= {560, 572, 573, 575, 599}
+    assert {p for p, outs in results.items() if len(outs) > 1} >= {FIRST, MID - 1, MID, SPLIT, LAST}
     for pos, outs in results.items():
         for other in outs[1:]:
             assert torch.equal(outs[0], other), f"position {pos} changed bits with the batch"
