@@ -12,6 +12,7 @@ from typing import Any
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {
         "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
         "hidden_size": 4096,
         "intermediate_size": 14336,
         "num_hidden_layers": 32,
@@ -33,6 +34,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "qwen3-0.6b": {
         "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
         "hidden_size": 1024,
         "intermediate_size": 3072,
         "num_hidden_layers": 28,
@@ -49,8 +51,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def model_dir(name: str) -> str:
-    """A checkpoint path: a preset's config.json in a temp dir (dummy weights), or a real path."""
+def model_dir(name: str | None) -> str | None:
+    """A checkpoint path: a preset's config.json in a temp dir (dummy weights), a real path,
+    or None for Sid's built-in default model."""
     if name not in PRESETS:
         return name
     path = Path(tempfile.gettempdir()) / f"sid-preset-{name}"

@@ -25,6 +25,7 @@ from sid.model.config import CheckpointError, ModelConfig
 from sid.model.loader import build_model
 from sid.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from sid.runtime.attention import PagedKVCache, get_backend
+from sid.runtime.cuda_graphs import DecodeGraphs
 from sid.runtime.model_runner import ChunkResult, ModelRunner, SampledToken
 from sid.sampling_params import SamplingParams
 
@@ -108,6 +109,14 @@ class LLMEngine:
             cost_model=GPU_COST if self.device.type == "cuda" else CPU_COST,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device, self.canonical_rows)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.graphs = DecodeGraphs(
+                self.model,
+                self.kv_cache,
+                max_batch=min(config.max_num_seqs, 256),
+                max_blocks=cdiv(self.max_model_len, config.block_size),
+                max_seq_len=self.max_model_len,
+            )
         self.router = Router(_router_policy(config.router_policy))
         self.numerics = self._numerics_config()
         self.fingerprint = numerics_fingerprint(self.numerics)
@@ -183,7 +192,7 @@ class LLMEngine:
         chunks, tables = [], []
         for s in range(num_seqs):
             n = min(seq_len, tokens - s * seq_len)
-            r = self._new_request(f"profile-{s}", [0] * n, params, None)
+            r = Request(f"profile-{s}", None, [0] * n, params, 0, 1, frozenset(), 0)
             chunks.append(ScheduledChunk(r, 0, n))
             first = s * cdiv(seq_len, bs)
             tables.append(list(range(first, first + cdiv(n, bs))))

@@ -20,6 +20,7 @@ from sid.engine.scheduler import ScheduledChunk
 from sid.model.decoder import CausalLM
 from sid.outputs import Logprob, PositionLogprobs
 from sid.runtime.attention import AttentionMetadata, PagedKVCache
+from sid.runtime.cuda_graphs import DecodeGraphs
 from sid.runtime.faults import FAULTS
 from sid.runtime.sampler import SamplerOutput, SamplingBatch, compute_logprobs, sample
 from sid.sampling_params import SamplingParams
@@ -65,21 +66,22 @@ class ModelRunner:
         self.device = device
         self.canonical_rows = canonical_rows
         self.vocab_size = model.cfg.vocab_size
+        self.graphs: DecodeGraphs | None = None
 
     def _tensor(self, data: Sequence[int] | Sequence[float] | Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def _metadata(
-        self, chunks: Sequence[ScheduledChunk], block_ids: Sequence[Sequence[int]], pad: int, canonical: bool
-    ) -> AttentionMetadata:
-        """Cache slots and block tables; ``pad`` trailing rows form one sequence writing nothing."""
+    def _layout(
+        self, chunks: Sequence[ScheduledChunk], block_ids: Sequence[Sequence[int]], pad: int
+    ) -> tuple[list[int], list[list[int]], list[int], list[int]]:
+        """Slots, block tables, context lengths and query starts; ``pad`` trailing rows form
+        one sequence that writes nothing."""
         bs = self.block_size
         slots: list[int] = []
         for chunk, blocks in zip(chunks, block_ids):
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(chunk.start, chunk.end))
         slots.extend([-1] * pad)
         tables = [list(b) for b in block_ids] + ([[0] * cdiv(pad, bs)] if pad else [])
-        width = max(len(t) for t in tables)
         qsl = [0]
         for chunk in chunks:
             qsl.append(qsl[-1] + chunk.num_tokens)
@@ -87,6 +89,12 @@ class ModelRunner:
         if pad:
             qsl.append(qsl[-1] + pad)
             seq_lens.append(pad)
+        return slots, tables, seq_lens, qsl
+
+    def _metadata(
+        self, slots: list[int], tables: list[list[int]], seq_lens: list[int], qsl: list[int], canonical: bool
+    ) -> AttentionMetadata:
+        width = max(len(t) for t in tables)
         return AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
@@ -163,11 +171,20 @@ class ModelRunner:
         input_ids.extend([0] * pad)
         positions.extend(range(pad))
 
-        self.kv_cache.meta = self._metadata(chunks, block_ids, pad, canonical)
-        ids = self._tensor(input_ids, torch.int64)
-        hidden = self.model(ids, self._tensor(positions, torch.int64), self.kv_cache)
+        layout = self._layout(chunks, block_ids, pad)
         results = [ChunkResult() for _ in chunks]
         rows = [(chunks[i].request, positions[row]) for row, i in sample_rows]
+        graph = self.graphs is not None and not canonical and not prompt_rows and len(input_ids) == len(chunks)
+        if graph and self.graphs.bucket(len(input_ids)) is not None:  # type: ignore[union-attr]
+            if not sample_rows:
+                return results
+            bucket = self.graphs.load(input_ids, positions, layout[0], layout[1], layout[2])  # type: ignore[union-attr]
+            all_logits = self.graphs.replay(bucket)  # type: ignore[union-attr]
+            logits = self._fast_lane_faults(all_logits[self._tensor([r for r, _ in sample_rows], torch.int64)], len(input_ids))
+            return self._sample(chunks, results, logits, rows, sample_rows, positions)
+        self.kv_cache.meta = self._metadata(*layout, canonical)
+        ids = self._tensor(input_ids, torch.int64)
+        hidden = self.model(ids, self._tensor(positions, torch.int64), self.kv_cache)
         if canonical:
             logits = self.model.compute_logits(hidden)  # every row, padding included
             if FAULTS.canonical_cross_row:
@@ -183,11 +200,7 @@ class ModelRunner:
             index = [row for row, _, _ in prompt_rows] + [row for row, _ in sample_rows]
             if not index:
                 return results
-            logits = self.model.compute_logits(hidden[self._tensor(index, torch.int64)])
-            if FAULTS.fast_lane_logit_noise:
-                gen = torch.Generator(device=self.device).manual_seed(len(input_ids))
-                noise = torch.randn(logits.shape, generator=gen, device=self.device)
-                logits = logits + FAULTS.fast_lane_logit_noise * noise
+            logits = self._fast_lane_faults(self.model.compute_logits(hidden[self._tensor(index, torch.int64)]), len(input_ids))
             prompt_index = list(range(len(prompt_rows)))
             sample_logits = logits[len(prompt_rows) :]
         if prompt_rows:
@@ -198,10 +211,30 @@ class ModelRunner:
                 own_top = chunks[i].request.params.prompt_logprobs or 0
                 results[i].prompt_logprobs.append(_position_logprobs(scored, k, own_top))
         if sample_rows:
-            sampled = sample(sample_logits, self._sampling_batch(rows))
-            tokens = sampled.token_ids.tolist()
-            for k, (row, i) in enumerate(sample_rows):
-                r = chunks[i].request
-                lp = _position_logprobs(sampled, k, r.params.logprobs) if r.params.logprobs is not None else None
-                results[i].samples.append(SampledToken(positions[row], tokens[k], lp))
+            self._sample(chunks, results, sample_logits, rows, sample_rows, positions)
+        return results
+
+    def _fast_lane_faults(self, logits: torch.Tensor, num_rows: int) -> torch.Tensor:
+        if not FAULTS.fast_lane_logit_noise:
+            return logits
+        gen = torch.Generator(device=self.device).manual_seed(num_rows)
+        noise = torch.randn(logits.shape, generator=gen, device=self.device)
+        return logits + FAULTS.fast_lane_logit_noise * noise
+
+    def _sample(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        results: list[ChunkResult],
+        logits: torch.Tensor,
+        rows: list[tuple[Request | None, int]],
+        sample_rows: list[tuple[int, int]],
+        positions: list[int],
+    ) -> list[ChunkResult]:
+        """Sample ``rows`` (one per logits row) and hand each real row's token to its chunk."""
+        sampled = sample(logits, self._sampling_batch(rows))
+        tokens = sampled.token_ids.tolist()
+        for k, (row, i) in enumerate(sample_rows):
+            r = chunks[i].request
+            lp = _position_logprobs(sampled, k, r.params.logprobs) if r.params.logprobs is not None else None
+            results[i].samples.append(SampledToken(positions[row], tokens[k], lp))
         return results

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Everything Sid checks and measures on the H200, in one device call.
+#   usage (device tool, carry .carry): bash benchmarks/gpu_suite.sh [STEP ...]
+# Steps: tests throughput_qwen decode_roofline throughput_llama cost_qwen cost_llama repro_trained repro_llama
+# A failing step does not stop the next. Logs and JSON go to a tarball under $OUT; the
+# last lines printed are each step's table.
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 SID_TRAINED_MODEL=$PWD/.carry/models/tiny-pycode-llama
+RES=/tmp/sid-results; mkdir -p "$RES"; OUT=${OUT:-out}; mkdir -p "$OUT"
+TRAINED=$SID_TRAINED_MODEL
+
+run_step() {
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$RES/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$RES/summary.txt"
+  tail -n 16 "$RES/$name.log" >> "$RES/summary.txt"
+}
+
+step() {
+  case $1 in
+    tests) run_step tests 240 python3 -m pytest -q -x tests/test_gpu.py tests/test_kernels.py ;;
+    throughput_qwen) run_step throughput_qwen 200 python3 benchmarks/throughput.py --model qwen3-0.6b --peer --out "$RES" ;;
+    throughput_llama) run_step throughput_llama 200 python3 benchmarks/throughput.py --model llama-3.1-8b --out "$RES" ;;
+    decode_roofline) run_step decode_roofline 200 python3 benchmarks/decode_roofline.py --model llama-3.1-8b --out "$RES" ;;
+    cost_qwen) run_step cost_qwen 300 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --repeats "${REPEATS:-1}" --out "$RES/qwen" ;;
+    cost_llama) run_step cost_llama 300 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --requests "${LLAMA_REQUESTS:-128}" --repeats 1 --out "$RES/llama" ;;
+    cost_trained) run_step cost_trained 200 python3 benchmarks/determinism_cost.py --model "$TRAINED" --repeats 1 --out "$RES/trained" ;;
+    repro_trained) run_step repro_trained 200 python3 -m sid repro --model "$TRAINED" --device cuda --out "$RES/repro_trained" ;;
+    repro_llama) run_step repro_llama 300 python3 -m sid repro --model /tmp/sid-preset-llama-3.1-8b --load-format dummy --device cuda --max-model-len 2048 --out "$RES/repro_llama" ;;
+    *) echo "unknown step $1" ;;
+  esac
+}
+
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee "$RES/summary.txt"
+git rev-parse --short HEAD 2>/dev/null | tee -a "$RES/summary.txt"
+python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from common import model_dir; model_dir('llama-3.1-8b'); model_dir('qwen3-0.6b')"
+for s in "${@:-tests throughput_qwen decode_roofline throughput_llama}"; do
+  for one in $s; do step "$one"; done
+done
+tar czf "$OUT/results.tar.gz" -C "$RES" .
+cp "$RES/summary.txt" "$OUT/summary.txt"
+cat "$RES/summary.txt"

@@ -1,0 +1,37 @@
+"""The GPU attention backend: Triton KV store and paged attention (fast and canonical)."""
+
+from __future__ import annotations
+
+import torch
+
+from sid.kernels.kv_store import store_kv
+from sid.kernels.paged_attention import CANONICAL_CONFIG, paged_attention
+from sid.runtime.attention import AttentionBackend, AttentionMetadata
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        return paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            scale,
+            canonical=meta.canonical,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+        )
+
+    def canonical_config(self) -> dict[str, object]:
+        return {"backend": self.name, **CANONICAL_CONFIG}
