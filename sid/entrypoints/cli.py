@@ -7,8 +7,9 @@ import json
 import sys
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local Hugging Face checkpoint (default: the built-in tiny model)")
+def _add_engine_args(p: argparse.ArgumentParser, model_option: bool = True) -> None:
+    if model_option:
+        p.add_argument("--model", default=None, help="local Hugging Face checkpoint (default: the built-in tiny one)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -107,6 +108,77 @@ def _repro(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="local Hugging Face checkpoint (default: built-in tiny)")
+    _add_engine_args(p, model_option=False)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--served-model-name", default=None, help="the `model` clients pass (default: MODEL as given)")
+    p.add_argument("--api-key", action="append", default=None, help="accept this bearer key (repeat for several)")
+    p.add_argument("--router-config", default=None, help="JSON router policy: rules choosing deterministic requests")
+    p.add_argument("--receipts", default=None, help="append a receipt of each deterministic response to FILE")
+    p.add_argument("--max-pending", type=int, default=1024, help="unfinished requests beyond this are answered 429")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log every HTTP request")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-determinism", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--canonical-rows", type=int, default=None)
+    p.add_argument("--verify-window", type=int, default=8)
+    p.add_argument("--determinism-strategy", default="auto", choices=["auto", "speculate", "direct", "whole"])
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from sid.config import EngineConfig
+    from sid.engine.engine import LLMEngine
+    from sid.entrypoints.server import ServerSettings, run_server
+    from sid.model.builtin import default_model_path
+
+    model = args.model or str(default_model_path())
+    if args.max_pending < 1:
+        raise ValueError(f"--max-pending must be >= 1, got {args.max_pending}")
+    engine = LLMEngine(
+        EngineConfig(
+            model=model,
+            dtype=args.dtype,
+            device=args.device,
+            tensor_parallel_size=args.tensor_parallel_size,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_kv_blocks=args.num_kv_blocks,
+            enforce_eager=args.enforce_eager,
+            load_format=args.load_format,
+            seed=args.seed,
+            attention_backend=args.attention_backend,
+            enable_determinism=args.enable_determinism,
+            canonical_rows=args.canonical_rows,
+            verify_window=args.verify_window,
+            determinism_strategy=args.determinism_strategy,
+            router_policy=args.router_config,
+        )
+    )
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or model,
+        api_keys=tuple(args.api_key or ()),
+        receipts=args.receipts,
+        max_pending=args.max_pending,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    run_server(engine, settings, host=args.host, port=args.port, access_log=args.access_log)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sid", description="Sid LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,9 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("record", help="a receipts file (JSON Lines) written by `sid generate --receipts` or the server")
     _add_engine_args(rep)
     rep.add_argument("--json", action="store_true", help="also print each result as JSON")
+    _add_serve_args(sub.add_parser("serve", help="the OpenAI-compatible HTTP server"))
     args = parser.parse_args(argv)
     try:
-        return {"generate": _generate, "repro": _repro, "replay": _replay}[args.command](args)
+        return {"generate": _generate, "repro": _repro, "replay": _replay, "serve": _serve}[args.command](args)
     except ValueError as exc:
         print(f"sid: error: {exc}", file=sys.stderr)
         return 2
