@@ -1,7 +1,7 @@
 # Two commands on a fresh machine:  `make run` (the main job) and `make test` (the tests).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-ARGS ?= generate --prompt "def fibonacci(n):" --max-tokens 48
+ARGS ?= repro
 
 .PHONY: setup run test
 setup: $(VENV)/.installed
