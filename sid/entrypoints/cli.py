@@ -8,6 +8,7 @@ import sys
 
 
 def _add_engine_args(p: argparse.ArgumentParser, model_option: bool = True) -> None:
+    """The engine options every command shares (EngineConfig's fields)."""
     if model_option:
         p.add_argument("--model", default=None, help="local Hugging Face checkpoint (default: the built-in tiny one)")
     p.add_argument("--device", default="auto")
@@ -15,19 +16,36 @@ def _add_engine_args(p: argparse.ArgumentParser, model_option: bool = True) -> N
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-determinism", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--canonical-rows", type=int, default=None)
+    p.add_argument("--verify-window", type=int, default=8)
+    p.add_argument("--determinism-strategy", default="auto", choices=["auto", "speculate", "direct", "whole"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+
+
+_ENGINE_FIELDS = (
+    "device", "dtype", "max_model_len", "load_format", "enforce_eager", "tensor_parallel_size",
+    "gpu_memory_utilization", "num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
+    "enable_prefix_caching", "enable_determinism", "canonical_rows", "verify_window", "determinism_strategy",
+    "attention_backend",
+)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {name: getattr(args, name) for name in _ENGINE_FIELDS}
 
 
 def _generate(args: argparse.Namespace) -> int:
     from sid import LLM, SamplingParams
 
-    llm = LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        load_format=args.load_format,
-        enforce_eager=args.enforce_eager,
-    )
+    llm = LLM(args.model, **_engine_kwargs(args))
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -60,7 +78,7 @@ def _replay(args: argparse.Namespace) -> int:
     from sid.receipts import load_receipts, replay
 
     records = load_receipts(args.record)
-    llm = LLM(args.model or records[0].get("model"), device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    llm = LLM(args.model or records[0].get("model"), **_engine_kwargs(args))
     failures = 0
     for record in records:
         result = replay(llm.llm_engine, record)
@@ -78,16 +96,7 @@ def _repro(args: argparse.Namespace) -> int:
     from sid import LLM
     from sid.repro import Repro, format_table, write_report
 
-    llm = LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        load_format=args.load_format,
-        enforce_eager=args.enforce_eager,
-        canonical_rows=args.canonical_rows,
-        verify_window=args.verify_window,
-    )
+    llm = LLM(args.model, **_engine_kwargs(args))
     engine = llm.llm_engine
     repro = Repro(engine, max_tokens=args.max_tokens, trials=args.trials, long_prompt=args.long_prompt, prompt=args.prompt)
     runs = repro.run()
@@ -120,19 +129,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pending", type=int, default=1024, help="unfinished requests beyond this are answered 429")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log every HTTP request")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enable-determinism", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--canonical-rows", type=int, default=None)
-    p.add_argument("--verify-window", type=int, default=8)
-    p.add_argument("--determinism-strategy", default="auto", choices=["auto", "speculate", "direct", "whole"])
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="engine seed (draws seeds for unseeded sampled requests)")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -145,28 +142,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_pending < 1:
         raise ValueError(f"--max-pending must be >= 1, got {args.max_pending}")
     engine = LLMEngine(
-        EngineConfig(
-            model=model,
-            dtype=args.dtype,
-            device=args.device,
-            tensor_parallel_size=args.tensor_parallel_size,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size,
-            enable_prefix_caching=args.enable_prefix_caching,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            num_kv_blocks=args.num_kv_blocks,
-            enforce_eager=args.enforce_eager,
-            load_format=args.load_format,
-            seed=args.seed,
-            attention_backend=args.attention_backend,
-            enable_determinism=args.enable_determinism,
-            canonical_rows=args.canonical_rows,
-            verify_window=args.verify_window,
-            determinism_strategy=args.determinism_strategy,
-            router_policy=args.router_config,
-        )
+        EngineConfig(model=model, seed=args.seed, router_policy=args.router_config, **_engine_kwargs(args))  # type: ignore[arg-type]
     )
     settings = ServerSettings(
         served_model_name=args.served_model_name or model,
@@ -196,8 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     repro.add_argument("--max-tokens", type=int, default=48)
     repro.add_argument("--trials", type=int, default=3)
     repro.add_argument("--long-prompt", type=int, default=384, help="length of the long co-tenant prompts")
-    repro.add_argument("--canonical-rows", type=int, default=None)
-    repro.add_argument("--verify-window", type=int, default=8)
     repro.add_argument("--out", default="out/repro", help="folder for repro.json and repro.png")
     rep = sub.add_parser("replay", help="re-run recorded deterministic responses and check their bits")
     rep.add_argument("record", help="a receipts file (JSON Lines) written by `sid generate --receipts` or the server")
