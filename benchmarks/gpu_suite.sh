@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Everything Sid checks and measures on the H200, in one device call.
 #   usage (device tool, carry .carry): bash benchmarks/gpu_suite.sh [STEP ...]
-# Steps: tests throughput_qwen decode_roofline throughput_llama cost_qwen cost_llama repro_trained repro_llama
+# Steps: tests throughput_qwen decode_roofline throughput_llama cost_qwen cost_llama cost_trained
+#        repro_trained repro_llama serve
+# `serve` needs the server's packages, absent on the H200 image: carry them as wheels in .whl
+# (ignored by git), made here with, for each of fastapi starlette pydantic pydantic_core uvicorn
+# annotated-types typing-inspection annotated-doc at the venv's versions:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl NAME==VERSION
 # A failing step does not stop the next. Logs and JSON go to a tarball under $OUT; the
 # last lines printed are each step's table.
 set -u
@@ -28,6 +34,8 @@ step() {
     cost_llama) run_step cost_llama 300 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --requests "${LLAMA_REQUESTS:-128}" --repeats 1 --out "$RES/llama" ;;
     cost_trained) run_step cost_trained 200 python3 benchmarks/determinism_cost.py --model "$TRAINED" --repeats 1 --out "$RES/trained" ;;
     repro_trained) run_step repro_trained 200 python3 -m sid repro --model "$TRAINED" --device cuda --out "$RES/repro_trained" ;;
+    serve) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+      export PYTHONPATH=$PYTHONPATH:/tmp/site && run_step serve 400 python3 benchmarks/serve.py --model llama-3.1-8b --out "$RES" ;;
     repro_llama) run_step repro_llama 300 python3 -m sid repro --model /tmp/sid-preset-llama-3.1-8b --load-format dummy --device cuda --max-model-len 2048 --out "$RES/repro_llama" ;;
     *) echo "unknown step $1" ;;
   esac
