@@ -26,8 +26,11 @@ def token_hash(token_ids: list[int]) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()
 
 
+_NOT_RECORDED = ("output_kind",)  # how outputs are delivered, not what they are
+
+
 def _params_dict(params: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(params, f.name) for f in fields(SamplingParams) if f.init}
+    return {f.name: getattr(params, f.name) for f in fields(SamplingParams) if f.init and f.name not in _NOT_RECORDED}
 
 
 def make_receipt(output: RequestOutput, params: SamplingParams, seed: int, model: str) -> dict[str, Any]:

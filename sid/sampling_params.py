@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What ``step()`` returns for a request: every step's cumulative output, or the last only."""
+
+    CUMULATIVE = "cumulative"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass
@@ -32,6 +40,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     deterministic: bool | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

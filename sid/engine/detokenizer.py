@@ -26,6 +26,7 @@ class IncrementalDetokenizer:
     _ids: list[int] = field(default_factory=list)
     _prefix_offset: int = 0
     _read_offset: int = 0
+    _fed: int = 0
 
     def __post_init__(self) -> None:
         # Start the window inside the prompt so the first output token decodes in context.
@@ -35,11 +36,22 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def update(self, new_token_ids: list[int]) -> str | None:
-        """Append tokens; return the stop string if one now appears in the text."""
+    def sync(self, output_token_ids: list[int]) -> str | None:
+        """Feed the output tokens not seen yet; return the stop string if one now appears.
+
+        Callers may feed every token as it comes (streaming, stop strings) or catch up once
+        when the text is needed: the text is the same either way.
+        """
+        new = output_token_ids[self._fed :]
+        self._fed = len(output_token_ids)
+        if not new:
+            return None
         checked_from = max(len(self.text) - max((len(s) for s in self.stop_strings), default=0) + 1, 0)
-        for tok in new_token_ids:
-            self._ids.append(tok)
+        # All but the last few tokens in one decode; the tail token by token, so an
+        # incomplete character at the very end holds back only itself.
+        head, tail = new[:-_WINDOW], new[-_WINDOW:]
+        for piece in ([head] if head else []) + [[t] for t in tail]:
+            self._ids.extend(piece)
             prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
             full = self._decode(self._ids[self._prefix_offset :])
             if len(full) > len(prefix) and not full.endswith("\ufffd"):

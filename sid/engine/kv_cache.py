@@ -122,6 +122,7 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         self._blocks: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[int]] = {}
+        self._registered: dict[str, int] = {}  # leading blocks of each request already registered
 
     def blocks_of(self, request: Request) -> list[KVBlock]:
         return self._blocks.get(request.request_id, [])
@@ -177,8 +178,13 @@ class KVCacheManager:
             return
         blocks = self.blocks_of(request)
         num_full = min(request.num_cacheable_tokens // self.block_size, len(blocks))
-        for block, block_hash in zip(blocks[:num_full], self._chain(request, num_full)):
+        done = self._registered.get(request.request_id, 0)
+        if num_full <= done:
+            return
+        hashes = self._chain(request, num_full)
+        for block, block_hash in zip(blocks[done:num_full], hashes[done:]):
             self.pool.register(block, block_hash)
+        self._registered[request.request_id] = num_full
 
     def truncate(self, request: Request, num_tokens: int) -> None:
         """Keep K/V for positions ``0 .. num_tokens - 1`` only; later positions are dropped.
@@ -195,8 +201,10 @@ class KVCacheManager:
         hashes = self._hashes.get(request.request_id)
         if hashes is not None:
             del hashes[num_tokens // self.block_size :]
+        self._registered[request.request_id] = min(self._registered.get(request.request_id, 0), num_tokens // self.block_size)
         request.num_computed_tokens = min(request.num_computed_tokens, num_tokens)
 
     def free(self, request: Request) -> None:
         self.pool.release(self._blocks.pop(request.request_id, []))
         self._hashes.pop(request.request_id, None)
+        self._registered.pop(request.request_id, None)

@@ -299,6 +299,7 @@ class AsyncEngine:
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         items: _Delivery = []
+        receipts = []
         for out in outputs:
             owned = self._owned.get(out.request_id)
             if owned is None:
@@ -308,9 +309,10 @@ class AsyncEngine:
             if out.finished:
                 del self._owned[out.request_id]
                 if out.deterministic and self.receipts is not None:
-                    receipt = make_receipt(out, request.params, request.seed, self.engine.config.model or "")
-                    append_receipt(self.receipts, receipt)
-        self._post(items)
+                    receipts.append(make_receipt(out, request.params, request.seed, self.engine.config.model or ""))
+        self._post(items)  # answer first: a receipt that cannot be written must not strand a client
+        for receipt in receipts:
+            append_receipt(self.receipts, receipt)  # type: ignore[arg-type]
 
     def _streams(self) -> list[GenerationStream]:
         return list({id(stream): stream for _, stream in self._owned.values()}.values())

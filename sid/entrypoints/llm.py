@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -12,7 +13,7 @@ from sid.engine.engine import LLMEngine, PromptType
 from sid.engine.request import Request
 from sid.model.builtin import default_model_path
 from sid.outputs import RequestOutput
-from sid.sampling_params import SamplingParams
+from sid.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -56,6 +57,8 @@ class LLM:
         requests: list[Request] = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             try:
+                if isinstance(params, SamplingParams):  # only the final output is read here
+                    params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 requests.append(engine.make_request(f"gen-{self._counter + i}", prompt, params))
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
