@@ -45,9 +45,7 @@ class EngineConfig:
     """A ``RouterPolicy``, its dict form, or a path to its JSON file; None = nothing by default."""
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not implemented yet; use 1")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

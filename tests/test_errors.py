@@ -104,7 +104,7 @@ def test_engine_options_are_checked() -> None:
     from sid.config import EngineConfig
 
     for kwargs, match in [
-        (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+        (dict(tensor_parallel_size=0), "tensor_parallel_size"),
         (dict(max_num_seqs=0), "max_num_seqs"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
         (dict(dtype="int8"), "dtype"),

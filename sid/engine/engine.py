@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import weakref
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,12 +23,14 @@ from sid.engine.router import RequestContext, Router, RouterPolicy
 from sid.engine.scheduler import CPU_COST, GPU_COST, ScheduledChunk, Scheduler
 from sid.engine.selftest import self_test
 from sid.model.config import CheckpointError, ModelConfig
+from sid.model.decoder import Shard
 from sid.model.loader import build_model
 from sid.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from sid.runtime.attention import PagedKVCache, get_backend
 from sid.runtime.cuda_graphs import DecodeGraphs
 from sid.runtime.model_runner import ChunkResult, ModelRunner, SampledToken
-from sid.sampling_params import SamplingParams
+from sid.runtime.tp_worker import TPWorkers, WorkerSpec
+from sid.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -75,30 +78,59 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} positions")
         self.max_model_len = config.max_model_len or limit
+        self.canonical_rows = config.canonical_rows_for(self.device)
+        max_positions = max(self.max_model_len, self.canonical_rows)  # padding rows too
+        self.workers = self._start_workers(max_positions)
+        try:
+            self._build(max_positions)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_workers(self, max_positions: int) -> TPWorkers | None:
+        """Spawn ranks 1..N-1 (None at TP=1); the checks that need no model run first."""
+        config = self.config
+        size = config.tensor_parallel_size
+        if size == 1:
+            return None
+        Shard.of(self.model_config, 0, size)  # a model that cannot be split fails before any spawn
+        if self.device.type == "cuda" and size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} are visible")
+        spec = WorkerSpec(
+            model=str(self.path),
+            load_format=config.load_format,
+            seed=config.seed,
+            dtype=self.dtype,
+            device_type=self.device.type,
+            max_positions=max_positions,
+            block_size=config.block_size,
+            attention_backend=config.attention_backend,
+            canonical_rows=self.canonical_rows,
+            num_threads=torch.get_num_threads(),
+            size=size,
+        )
+        workers = TPWorkers(spec, self.device)
+        weakref.finalize(self, workers.shutdown)
+        return workers
+
+    def _build(self, max_positions: int) -> None:
+        config = self.config
         self.model = build_model(
             self.model_config,
             self.path,
             dtype=self.dtype,
             device=self.device,
-            max_positions=max(self.max_model_len, config.canonical_rows_for(self.device)),  # padding rows too
+            max_positions=max_positions,
             load_format=config.load_format,
             seed=config.seed,
+            tp=self.workers.group if self.workers is not None else None,
         )
+        if self.workers is not None:
+            self.workers.wait_ready()
         self.backend = get_backend(config.attention_backend, self.device)
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
-        cfg = self.model_config
-        self.kv_cache = PagedKVCache(
-            self.backend,
-            num_layers=cfg.num_layers,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        self.kv_cache = self._kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.canonical_rows = config.canonical_rows_for(self.device)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
@@ -108,8 +140,11 @@ class LLMEngine:
             strategy=config.determinism_strategy,
             cost_model=GPU_COST if self.device.type == "cuda" else CPU_COST,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device, self.canonical_rows)
-        if self.device.type == "cuda" and not config.enforce_eager:
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, config.block_size, self.device, self.canonical_rows, self.workers
+        )
+        # Under TP the decode graphs would have to capture the collectives too; TP runs eagerly.
+        if self.device.type == "cuda" and not config.enforce_eager and self.workers is None:
             self.runner.graphs = DecodeGraphs(
                 self.model,
                 self.kv_cache,
@@ -129,6 +164,24 @@ class LLMEngine:
         if config.enable_determinism:
             self_test(self.runner, self.kv, self.canonical_domain, self.max_model_len)
             self.kv.stats = PrefixCacheStats()
+
+    def _kv_cache(self, num_blocks: int) -> PagedKVCache:
+        """This rank's KV cache; under TP every worker allocates its own of the same block count."""
+        if self.workers is not None:
+            self.workers.allocate_kv_cache(num_blocks)
+        block_size = self.config.block_size
+        return PagedKVCache.for_model(self.backend, self.model, num_blocks, block_size, self.dtype, self.device)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any; the engine cannot step afterwards."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def _numerics_config(self) -> dict[str, Any]:
         """Everything that fixes canonical bits (DESIGN 3.2); see ``sid.engine.fingerprint``."""
@@ -150,7 +203,7 @@ class LLMEngine:
     def _block_bytes(self) -> int:
         cfg = self.model_config
         return PagedKVCache.bytes_per_block(
-            cfg.num_layers, self.config.block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype
+            cfg.num_layers, self.config.block_size, self.model.shard.num_kv_heads, cfg.head_dim, self.dtype
         )
 
     def _auto_num_blocks(self) -> int:
@@ -171,21 +224,12 @@ class LLMEngine:
 
     def _profile_peak_bytes(self) -> int:
         """Peak memory of the largest step the scheduler can plan, with a throwaway cache."""
-        cfg, bs = self.model_config, self.config.block_size
+        bs = self.config.block_size
         tokens = self.config.max_num_batched_tokens
         seq_len = min(tokens, self.max_model_len)
         num_seqs = cdiv(tokens, seq_len)
-        profile_cache = PagedKVCache(
-            self.backend,
-            num_layers=cfg.num_layers,
-            num_blocks=num_seqs * cdiv(seq_len, bs),
-            block_size=bs,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        runner = ModelRunner(self.model, profile_cache, bs, self.device, self.config.canonical_rows_for(self.device))
+        profile_cache = self._kv_cache(num_seqs * cdiv(seq_len, bs))
+        runner = ModelRunner(self.model, profile_cache, bs, self.device, self.canonical_rows, self.workers)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, logprobs=5)
@@ -366,7 +410,8 @@ class LLMEngine:
         for request in progressed.values():
             if request.finished:
                 self.scheduler.finish(request, request.status)
-            outputs.append(self._output(request))
+            if request.finished or request.params.output_kind is RequestOutputKind.CUMULATIVE:
+                outputs.append(self._output(request))
             if request.finished:
                 self.requests.pop(request.request_id, None)
                 self._detok.pop(request.request_id, None)
@@ -442,7 +487,7 @@ class LLMEngine:
             request.logprobs.append(self._decorate(logprobs))
             request.cumulative_logprob += logprobs[token].logprob
         detok = self._detok.get(request.request_id)
-        stop_str = detok.update([token]) if detok is not None else None
+        stop_str = detok.sync(request.output_token_ids) if detok is not None and detok.stop_strings else None
         if token in request.eos_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
         elif token in request.params.stop_token_ids:
@@ -461,6 +506,8 @@ class LLMEngine:
 
     def _output(self, request: Request) -> RequestOutput:
         detok = self._detok.get(request.request_id)
+        if detok is not None:
+            detok.sync(request.output_token_ids)
         finished = request.finished
         completion = CompletionOutput(
             index=0,

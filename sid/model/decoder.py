@@ -3,10 +3,16 @@
 The model works on a flat batch of token rows (``[N]`` ids and positions). Attention goes
 through a callable supplied per step by the runtime, which owns the paged KV cache; the
 model itself holds no per-request state.
+
+Under tensor parallelism each rank builds the same modules at its ``Shard``'s sizes
+(Megatron-style): merged qkv and gate_up are split by output columns (whole heads),
+o_proj and down_proj by input rows and summed across ranks, and the embedding and LM
+head by vocabulary rows. Without a group (``tp=None``) no collective runs at all.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -20,16 +26,93 @@ from sid.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 class PagedAttention(Protocol):
     """Writes a layer's new K/V into the paged cache, then attends from the cache."""
 
+    @property
+    def canonical(self) -> bool:
+        """The pass is canonical: cross-rank sums must use the fixed order (DESIGN 3.1)."""
+        ...
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
+class TensorParallel(Protocol):
+    """The collectives a sharded model needs (``sid.runtime.distributed.TPGroup``)."""
+
+    rank: int
+    size: int
+
+    def all_reduce_sum(self, x: torch.Tensor, canonical: bool) -> torch.Tensor: ...
+
+    def all_gather_cat(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's slice of the model: its query heads, KV heads, MLP columns, vocabulary rows.
+
+    KV heads are split when the TP size divides their count, and replicated (each rank
+    keeps the one head its query heads read) when their count divides the TP size. The
+    vocabulary is split in equal parts; the last rank's part may run past its end.
+    """
+
+    rank: int
+    size: int
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    kv_head_start: int
+    intermediate_size: int
+    vocab_start: int
+    vocab_rows: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, rank: int = 0, size: int = 1) -> Shard:
+        """Rank ``rank`` of ``size``; raises ``ValueError`` for a model that does not split ``size`` ways."""
+        for what, n in (("attention heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)):
+            if n % size:
+                raise ValueError(f"tensor_parallel_size={size} does not divide the model's {what} ({n})")
+        kv = cfg.num_kv_heads
+        if kv % size == 0:
+            num_kv, kv_start = kv // size, rank * (kv // size)
+        elif size % kv == 0:
+            num_kv, kv_start = 1, rank // (size // kv)
+        else:
+            raise ValueError(
+                f"tensor_parallel_size={size} and the model's {kv} KV heads do not divide one another"
+            )
+        vocab_rows = -(-cfg.vocab_size // size)
+        return cls(
+            rank=rank,
+            size=size,
+            head_dim=cfg.head_dim,
+            num_heads=cfg.num_heads // size,
+            num_kv_heads=num_kv,
+            kv_head_start=kv_start,
+            intermediate_size=cfg.intermediate_size // size,
+            vocab_start=rank * vocab_rows,
+            vocab_rows=vocab_rows,
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _sum_ranks(tp: TensorParallel | None, x: torch.Tensor, canonical: bool) -> torch.Tensor:
+    """A row-parallel layer's output summed over the ranks (nothing to do without a group)."""
+    return x if tp is None else tp.all_reduce_sum(x, canonical)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard, layer: int, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.shard, self.tp = cfg, shard, tp
         self.layer = layer
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, shard.q_size + 2 * shard.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(shard.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -37,64 +120,79 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: PagedAttention
     ) -> torch.Tensor:
-        cfg = self.cfg
+        cfg, shard = self.cfg, self.shard
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(n, cfg.num_heads, cfg.head_dim)
-        k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = self.qkv_proj(x).split([shard.q_size, shard.kv_size, shard.kv_size], dim=-1)
+        q = q.view(n, shard.num_heads, cfg.head_dim)
+        k = k.view(n, shard.num_kv_heads, cfg.head_dim)
+        v = v.view(n, shard.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         out = attn(self.layer, q, k, v)
-        return self.o_proj(out.reshape(n, cfg.q_size))
+        return _sum_ranks(self.tp, self.o_proj(out.reshape(n, shard.q_size)), attn.canonical)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * shard.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shard.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, canonical: bool) -> torch.Tensor:
+        return _sum_ranks(self.tp, self.down_proj(silu_and_mul(self.gate_up_proj(x))), canonical)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard, layer: int, tp: TensorParallel | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, shard, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard, tp)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: PagedAttention
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), attn.canonical)
 
 
 class CausalLM(nn.Module):
-    """Decoder-only transformer with an LM head (tied or untied)."""
+    """Decoder-only transformer with an LM head (tied or untied); one rank's shard under ``tp``."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.cfg, self.tp = cfg, tp
+        self.shard = Shard.of(cfg) if tp is None else Shard.of(cfg, tp.rank, tp.size)
+        vocab_rows = self.shard.vocab_rows
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
         """Hidden states ``[N, hidden]`` before the final norm."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids, attn.canonical)
         for layer in self.layers:
             x = layer(x, positions, self.rotary, attn)
         return x
 
+    def embed(self, input_ids: torch.Tensor, canonical: bool) -> torch.Tensor:
+        """Token embeddings; under TP each rank looks up its vocabulary rows, zeros elsewhere, summed."""
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.shard.vocab_start
+        outside = (local < 0) | (local >= self.shard.vocab_rows)
+        x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce_sum(x, canonical)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head, in float32 logits."""
+        """Final norm and LM head, in float32 logits; under TP every rank gets the full vocabulary."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(hidden), weight).float()
+        logits = F.linear(self.norm(hidden), weight).float()
+        if self.tp is None:
+            return logits
+        return self.tp.all_gather_cat(logits, -1)[:, : self.cfg.vocab_size]

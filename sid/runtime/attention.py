@@ -18,6 +18,7 @@ from sid.kernels.attention_ref import (
     paged_attention_ref,
     store_kv_ref,
 )
+from sid.model.decoder import CausalLM
 
 
 @dataclass
@@ -105,9 +106,37 @@ class PagedKVCache:
         self.scale = head_dim**-0.5
         self.meta: AttentionMetadata | None = None
 
+    @classmethod
+    def for_model(
+        cls,
+        backend: AttentionBackend,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> PagedKVCache:
+        """A cache for ``model``'s layers and this rank's KV heads."""
+        return cls(
+            backend,
+            num_layers=model.cfg.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=model.shard.num_kv_heads,
+            head_dim=model.cfg.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def canonical(self) -> bool:
+        """Whether the pass being run is canonical (the model's cross-rank sums read it)."""
+        assert self.meta is not None, "attention metadata must be set before the forward pass"
+        return self.meta.canonical
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The model's attention hook: cache first, then attention from the cache."""

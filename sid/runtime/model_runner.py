@@ -5,12 +5,18 @@ them, and attends with the fast schedule. A *canonical* pass (DESIGN 3.1) always
 exactly ``canonical_rows`` rows (padding rows write nothing), runs the final norm, the LM
 head and sampling on every row, and attends with the canonical schedule, so each row's
 result is a function of its own request and position alone.
+
+Under tensor parallelism this runner is rank 0's: it turns chunks into a ``StepInputs``
+(token ids and cache layout only), which every rank's ``forward`` runs, and it alone
+samples. The workers' runners only ever run ``forward``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +31,9 @@ from sid.runtime.faults import FAULTS
 from sid.runtime.sampler import SamplerOutput, SamplingBatch, compute_logprobs, sample
 from sid.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from sid.runtime.tp_worker import TPWorkers
+
 _PAD_PARAMS = SamplingParams(temperature=0.0)
 
 
@@ -35,6 +44,21 @@ class SampledToken:
     position: int
     token_id: int
     logprobs: PositionLogprobs | None = None
+
+
+@dataclass
+class StepInputs:
+    """One forward pass as every rank sees it: rows, their cache layout, the rows needing logits."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    block_tables: list[list[int]]
+    seq_lens: list[int]
+    query_start_loc: list[int]
+    canonical: bool
+    logit_rows: list[int] | None
+    """Rows whose logits are computed, in this order; None = every row (a canonical pass)."""
 
 
 @dataclass
@@ -58,7 +82,13 @@ def _position_logprobs(out: SamplerOutput, row: int, num_top: int) -> PositionLo
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, kv_cache: PagedKVCache, block_size: int, device: torch.device, canonical_rows: int
+        self,
+        model: CausalLM,
+        kv_cache: PagedKVCache,
+        block_size: int,
+        device: torch.device,
+        canonical_rows: int,
+        workers: TPWorkers | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -67,6 +97,8 @@ class ModelRunner:
         self.canonical_rows = canonical_rows
         self.vocab_size = model.cfg.vocab_size
         self.graphs: DecodeGraphs | None = None
+        self.workers = workers
+        """Rank 0 of a tensor-parallel group: each pass is sent to these workers first."""
 
     def _tensor(self, data: Sequence[int] | Sequence[float] | Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -182,13 +214,13 @@ class ModelRunner:
             all_logits = self.graphs.replay(bucket)  # type: ignore[union-attr]
             logits = self._fast_lane_faults(all_logits[self._tensor([r for r, _ in sample_rows], torch.int64)], len(input_ids))
             return self._sample(chunks, results, logits, rows, sample_rows, positions)
-        self.kv_cache.meta = self._metadata(*layout, canonical)
-        ids = self._tensor(input_ids, torch.int64)
-        hidden = self.model(ids, self._tensor(positions, torch.int64), self.kv_cache)
+        index = None if canonical else [row for row, _, _ in prompt_rows] + [row for row, _ in sample_rows]
+        logits = self.forward(StepInputs(input_ids, positions, *layout, canonical, index))
+        if logits is None:
+            return results
         if canonical:
-            logits = self.model.compute_logits(hidden)  # every row, padding included
             if FAULTS.canonical_cross_row:
-                logits = logits + FAULTS.canonical_cross_row * float(ids.sum() % 7)
+                logits = logits + FAULTS.canonical_cross_row * float(sum(input_ids) % 7)
             prompt_index = [row for row, _, _ in prompt_rows]
             sample_logits = logits
             rows += [(None, 0)] * pad
@@ -197,10 +229,7 @@ class ModelRunner:
                     first = sum(c.num_tokens for c in chunks[:i])
                     results[i].logits = logits[first : first + chunk.num_tokens].clone()
         else:
-            index = [row for row, _, _ in prompt_rows] + [row for row, _ in sample_rows]
-            if not index:
-                return results
-            logits = self._fast_lane_faults(self.model.compute_logits(hidden[self._tensor(index, torch.int64)]), len(input_ids))
+            logits = self._fast_lane_faults(logits, len(input_ids))
             prompt_index = list(range(len(prompt_rows)))
             sample_logits = logits[len(prompt_rows) :]
         if prompt_rows:
@@ -213,6 +242,22 @@ class ModelRunner:
         if sample_rows:
             self._sample(chunks, results, sample_logits, rows, sample_rows, positions)
         return results
+
+    @torch.inference_mode()
+    def forward(self, step: StepInputs) -> torch.Tensor | None:
+        """Every rank's part of a pass: the model over its rows, then the logits of
+        ``step.logit_rows`` (None when there are none). Rank 0 sends the step to the workers first."""
+        with self.workers.running(step) if self.workers is not None else nullcontext():
+            self.kv_cache.meta = self._metadata(
+                step.slots, step.block_tables, step.seq_lens, step.query_start_loc, step.canonical
+            )
+            ids = self._tensor(step.input_ids, torch.int64)
+            hidden = self.model(ids, self._tensor(step.positions, torch.int64), self.kv_cache)
+            if step.logit_rows is None:
+                return self.model.compute_logits(hidden)  # every row, padding included
+            if not step.logit_rows:
+                return None
+            return self.model.compute_logits(hidden[self._tensor(step.logit_rows, torch.int64)])
 
     def _fast_lane_faults(self, logits: torch.Tensor, num_rows: int) -> torch.Tensor:
         if not FAULTS.fast_lane_logit_noise:

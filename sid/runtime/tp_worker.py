@@ -1,0 +1,234 @@
+"""Tensor-parallel worker processes (ranks 1..N-1) and rank 0's handle on them.
+
+The engine process is rank 0: it schedules, samples, and drives the workers. Each worker
+is a fresh interpreter running ``worker_main``: never forked, so no CUDA state is
+inherited, and unlike ``multiprocessing``'s spawn it never re-runs the user's main script
+(scripts need no ``if __name__ == "__main__"`` guard). It reads its ``WorkerSpec`` from
+the store, builds its own shard of the model and its own KV cache (its KV heads; the
+block count rank 0 chose), then loops: receive a plan, run its part of the forward pass,
+take part in the collectives.
+
+A worker that dies must become a clear error in the engine, never a hang: rank 0 polls
+the workers' exit codes before each step, and when a collective fails it names the dead
+worker (with the last line of its traceback, which a failing worker leaves in the store).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from sid.model.config import ModelConfig
+from sid.model.loader import build_model
+from sid.runtime.attention import PagedKVCache, get_backend
+from sid.runtime.distributed import COLLECTIVE_TIMEOUT, KV_CACHE, STEP, STOP, ControlChannel, TPGroup, init_groups
+from sid.runtime.model_runner import ModelRunner, StepInputs
+
+_HOST = "127.0.0.1"
+_KEY = "sid/tp"
+_STARTUP_TIMEOUT_S = 600.0
+"""Longest a worker may take to join and to load its shard (large checkpoints load slowly)."""
+_DEATH_GRACE_S = 3.0
+"""After a failed collective, how long rank 0 waits for the worker that broke it to exit."""
+
+
+class TPGroupError(RuntimeError):
+    """The tensor-parallel group broke (a worker died, or a step failed midway): no step can run again."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every rank needs to build its shard and its KV cache."""
+
+    model: str
+    load_format: str
+    seed: int
+    dtype: torch.dtype
+    device_type: str
+    max_positions: int
+    block_size: int
+    attention_backend: str
+    canonical_rows: int
+    num_threads: int
+    """Threads per rank: every rank's CPU GEMMs use the count the fingerprint records."""
+    size: int
+
+    def device(self, rank: int) -> torch.device:
+        return torch.device("cuda", rank) if self.device_type == "cuda" else torch.device("cpu")
+
+
+def worker_main(rank: int, port: int) -> None:
+    """A worker's life; a failure leaves its traceback in the store for rank 0 to report."""
+    store = dist.TCPStore(_HOST, port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        _serve(pickle.loads(store.get(f"{_KEY}/spec")), rank, store)
+    except BaseException:
+        with suppress(Exception):  # the store is gone when rank 0 is
+            store.set(f"{_KEY}/error/{rank}", traceback.format_exc())
+        raise
+
+
+def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore) -> None:
+    torch.set_num_threads(spec.num_threads)
+    device = spec.device(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store.set(f"{_KEY}/joined/{rank}", "1")
+    control = ControlChannel(init_groups(store, rank, spec.size, device))
+    path = Path(spec.model)
+    model = build_model(
+        ModelConfig.from_path(path),
+        path,
+        dtype=spec.dtype,
+        device=device,
+        max_positions=spec.max_positions,
+        load_format=spec.load_format,
+        seed=spec.seed,
+        tp=TPGroup(rank, spec.size),
+    )
+    store.set(f"{_KEY}/ready/{rank}", "1")
+    backend = get_backend(spec.attention_backend, device)
+    runner: ModelRunner | None = None
+    while True:
+        kind, arg = control.recv()
+        if kind == STOP:
+            break
+        if kind == KV_CACHE:
+            assert isinstance(arg, int)
+            runner = None  # free the old cache before allocating the new one
+            cache = PagedKVCache.for_model(backend, model, arg, spec.block_size, spec.dtype, device)
+            runner = ModelRunner(model, cache, spec.block_size, device, spec.canonical_rows)
+        else:
+            assert kind == STEP and isinstance(arg, StepInputs) and runner is not None
+            runner.forward(arg)
+    dist.destroy_process_group()
+
+
+class TPWorkers:
+    """Rank 0's handle on the workers: start them, send plans, turn a death into an error, stop them."""
+
+    def __init__(self, spec: WorkerSpec, device: torch.device) -> None:
+        if dist.is_initialized():
+            raise RuntimeError(
+                "this process already belongs to a torch.distributed group: one tensor-parallel engine per "
+                "process (shut the other one down first)"
+            )
+        self.spec = spec
+        self.failure: TPGroupError | None = None
+        self.plans_sent, self.plan_seconds = 0, 0.0
+        self._closed = False
+        self.control: ControlChannel | None = None
+        self.store = dist.TCPStore(_HOST, 0, spec.size, True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
+        self.store.set(f"{_KEY}/spec", pickle.dumps(spec))
+        env = dict(os.environ)  # NCCL settings (NCCL_NVLS_ENABLE=0 on the lent machines) pass through as they are
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        try:
+            for r in range(1, spec.size):
+                code = f"from {__name__} import worker_main; worker_main({r}, {self.store.port})"
+                cmd = [sys.executable, "-c", code]
+                self.procs[r] = subprocess.Popen(cmd, env=env)
+            self._wait_for("joined")
+            self.control = ControlChannel(init_groups(self.store, 0, spec.size, device))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.group = TPGroup(0, spec.size)
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return {r: p.pid for r, p in self.procs.items()}
+
+    def wait_ready(self) -> None:
+        """Block until every worker has built its shard (rank 0 builds its own meanwhile)."""
+        self._wait_for("ready")
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Every worker (re)allocates its KV cache with ``num_blocks`` blocks of its KV heads."""
+        self._raise_if_dead()
+        assert self.control is not None
+        self.control.send(KV_CACHE, num_blocks)
+
+    @contextmanager
+    def running(self, step: StepInputs) -> Iterator[None]:
+        """Send ``step`` to the workers; an error inside (a failed collective) stops the group."""
+        self._raise_if_dead()
+        assert self.control is not None
+        try:
+            start = time.perf_counter()
+            self.control.send_step(step)
+            self.plan_seconds += time.perf_counter() - start
+            self.plans_sent += 1
+            yield
+        except Exception as exc:
+            # The ranks are out of step now: whatever failed, no further pass can run.
+            dead = self._wait_for_death(_DEATH_GRACE_S)
+            self.failure = self._death(dead) if dead is not None else TPGroupError(
+                f"a tensor-parallel step failed on rank 0 ({exc}); the workers were stopped"
+            )
+            self.shutdown()
+            raise self.failure from exc
+
+    def _wait_for(self, stage: str) -> None:
+        keys = [f"{_KEY}/{stage}/{r}" for r in self.procs]
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while not self.store.check(keys):
+            self._raise_if_dead()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel workers were not {stage} after {_STARTUP_TIMEOUT_S:.0f} s")
+            time.sleep(0.01)
+
+    def _first_dead(self) -> int | None:
+        return next((r for r, p in self.procs.items() if p.poll() is not None), None)
+
+    def _raise_if_dead(self) -> None:
+        if self.failure is None:
+            dead = self._first_dead()
+            if dead is None:
+                return
+            self.failure = self._death(dead)
+            self.shutdown()
+        raise self.failure
+
+    def _wait_for_death(self, seconds: float) -> int | None:
+        deadline = time.monotonic() + seconds
+        while (dead := self._first_dead()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return dead
+
+    def _death(self, rank: int) -> TPGroupError:
+        message = f"tensor-parallel worker rank {rank} died (exit code {self.procs[rank].poll()})"
+        key = f"{_KEY}/error/{rank}"
+        with suppress(Exception):
+            if self.store.check([key]):
+                message += ": " + self.store.get(key).decode().strip().splitlines()[-1]
+        return TPGroupError(message)
+
+    def shutdown(self) -> None:
+        """Stop the workers (a STOP message, then by force) and leave the process groups; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.control is not None and self.failure is None:
+            with suppress(Exception):
+                self.control.send(STOP)
+        for proc in self.procs.values():
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5.0 if self.failure is None else 0.0)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+

@@ -1,0 +1,122 @@
+"""Tensor parallelism on the CPU (gloo): same tokens and logits as one rank, determinism at
+TP=2 and TP=4, and a dead worker that fails the engine quickly instead of hanging it.
+
+Every engine here is shut down before the next starts: one process holds one group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sid import LLM, SamplingParams
+from sid.engine.selftest import DeterminismSelfTestError
+from sid.runtime.faults import FAULTS
+from sid.runtime.tp_worker import TPGroupError
+from tests.test_determinism import CROWD, PROMPT, crowd_params, det
+from tests.test_models import PROMPTS, assert_close, hf_logits, record_logits
+
+
+@contextmanager
+def tp_llm(path: Path, tp: int, **kwargs: object) -> Iterator[LLM]:
+    """An LLM at ``tp`` ranks whose workers are gone (checked) once the block ends."""
+    llm = LLM(str(path), tensor_parallel_size=tp, **kwargs)
+    workers = llm.llm_engine.workers
+    assert workers is not None and len(workers.procs) == tp - 1
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.shutdown()
+        assert all(p.poll() is not None for p in workers.procs.values())
+        assert not dist.is_initialized()
+
+
+def test_tp2_greedy_tokens_equal_tp1_on_the_trained_model(trained_model: Path) -> None:
+    prompts = ["def main(", "import numpy as np\n", "class Config:\n    def __init__(self", "    for i in range("]
+    # Two ~800-token prompts make a first step whose plan needs more than one broadcast.
+    prompts += ["".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(k, k + 60)) for k in (0, 100)]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    settings = dict(num_kv_blocks=256, max_num_batched_tokens=2048)
+    one = LLM(str(trained_model), **settings)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    with tp_llm(trained_model, 2, **settings) as two:
+        engine = two.llm_engine
+        start, plans = time.perf_counter(), engine.workers.plans_sent
+        outs = two.generate(prompts, params, use_tqdm=False)
+        elapsed, plans = time.perf_counter() - start, engine.workers.plans_sent - plans
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert engine.fingerprint != one.llm_engine.fingerprint
+        assert engine.numerics["tensor_parallel_size"] == 2
+        w = engine.workers
+        print(
+            f"\nTP=2: {plans} passes, {1e3 * elapsed / plans:.2f} ms per pass; sending a plan took "
+            f"{1e6 * w.plan_seconds / w.plans_sent:.0f} us on rank 0 (mean over {w.plans_sent})"
+        )
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_tp2_logits_match_transformers(family: str, checkpoints: dict[str, Path]) -> None:
+    """Split and replicated KV heads (Mistral's one is replicated), tied and untied heads, qkv bias, q/k norm."""
+    path = checkpoints[family]
+    with tp_llm(path, 2, num_kv_blocks=64, max_num_batched_tokens=11, enable_determinism=False) as llm:
+        seen = record_logits(llm)
+        prompt = PROMPTS[0]
+        llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), use_tqdm=False)
+        ids = llm.get_tokenizer()(prompt).input_ids
+        assert_close(torch.cat(seen), hf_logits(path, ids))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_deterministic_request_is_identical_across_batch_compositions(
+    tp: int, checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = checkpoints["llama"]
+    with tp_llm(path, tp, num_kv_blocks=256) as llm:  # constructing it ran the self-test
+        alone = llm.generate(PROMPT, det(16, logprobs=2), use_tqdm=False)[0].outputs[0]
+        monkeypatch.setattr(FAULTS, "fast_lane_logit_noise", 3.0)
+        crowd = crowd_params(4)
+        prompts = [*CROWD[:2], PROMPT, *CROWD[2:4]]
+        outs = llm.generate(prompts, [*crowd[:2], det(16, logprobs=2), *crowd[2:]], use_tqdm=False)
+        assert outs[2].outputs[0].token_ids == alone.token_ids
+        assert outs[2].outputs[0].logprobs == alone.logprobs  # bit-identical canonical logits
+        assert llm.llm_engine.get_stats()["rollbacks"] > 0  # the faults reached the proposals
+
+
+def test_self_test_refuses_at_tp2_and_stops_the_workers(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(FAULTS, "canonical_cross_row", 1e-3)
+    with pytest.raises(DeterminismSelfTestError, match="not independent"):
+        LLM(str(checkpoints["qwen2"]), num_kv_blocks=64, tensor_parallel_size=2)
+    assert not dist.is_initialized()
+
+
+def test_killed_worker_fails_the_next_step_within_seconds(checkpoints: dict[str, Path]) -> None:
+    with tp_llm(checkpoints["qwen3"], 4, num_kv_blocks=64, enable_determinism=False, load_format="dummy") as llm:
+        engine = llm.llm_engine
+        engine.add_request("r", PROMPT, SamplingParams(max_tokens=32, ignore_eos=True))
+        engine.step()
+        os.kill(engine.workers.pids[2], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(TPGroupError, match=r"worker rank 2 died \(exit code -9\)"):
+            engine.step()
+        elapsed = time.monotonic() - start
+        assert elapsed < 5
+        print(f"\nthe step after the kill failed in {elapsed:.2f} s")
+        assert all(p.poll() is not None for p in engine.workers.procs.values())  # the others were stopped
+        with pytest.raises(TPGroupError, match="rank 2 died"):
+            engine.step()
+
+
+def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(trained_model: Path) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's attention heads"):
+        LLM(str(trained_model), tensor_parallel_size=4)
+    assert not dist.is_initialized()
