@@ -5,7 +5,7 @@
 #        repro_trained repro_llama serve
 # `serve` needs the server's packages, absent on the H200 image: carry them as wheels in .whl
 # (ignored by git), made here with, for each of fastapi starlette pydantic pydantic_core uvicorn
-# annotated-types typing-inspection annotated-doc at the venv's versions:
+# annotated-types typing-inspection annotated-doc opentelemetry-api importlib-metadata at the venv's versions:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl NAME==VERSION
 # A failing step does not stop the next. Logs and JSON go to a tarball under $OUT; the
