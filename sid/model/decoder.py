@@ -128,7 +128,7 @@ class Attention(nn.Module):
         v = v.view(n, shard.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        rotary(positions, q, k)
         out = attn(self.layer, q, k, v)
         return _sum_ranks(self.tp, self.o_proj(out.reshape(n, shard.q_size)), attn.canonical)
 
@@ -153,10 +153,21 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, shard, tp)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: PagedAttention
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
-        return x + self.mlp(self.post_attention_layernorm(x), attn.canonical)
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        attn: PagedAttention,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(output, residual)``: the layer's input is ``x + residual`` (just ``x`` when
+        ``residual`` is None, the first layer); the adds are fused into the norms."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, positions, rotary, attn), residual)
+        return self.mlp(h, attn.canonical), residual
 
 
 class CausalLM(nn.Module):
@@ -175,10 +186,10 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
         """Hidden states ``[N, hidden]`` before the final norm."""
-        x = self.embed(input_ids, attn.canonical)
+        x, residual = self.embed(input_ids, attn.canonical), None
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, attn)
-        return x
+            x, residual = layer(x, residual, positions, self.rotary, attn)
+        return x + residual
 
     def embed(self, input_ids: torch.Tensor, canonical: bool) -> torch.Tensor:
         """Token embeddings; under TP each rank looks up its vocabulary rows, zeros elsewhere, summed."""

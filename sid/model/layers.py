@@ -1,33 +1,45 @@
 """Row-wise building blocks of the decoder: RMSNorm, rotary embedding, SwiGLU.
 
 Every op here acts on each token row by itself, so a row's result depends on the other
-rows only through the shape of the batch (which the canonical lane fixes).
+rows only through the shape of the batch (which the canonical lane fixes). On CUDA they
+run as fused Triton kernels (``sid.kernels``), elsewhere as their torch references.
 """
 
 from __future__ import annotations
 
 import math
+from typing import overload
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from sid.kernels.activation import silu_and_mul as triton_silu_and_mul
+from sid.kernels.layers_ref import apply_rotary_ref, rms_norm_ref, silu_and_mul_ref
+from sid.kernels.rms_norm import rms_norm
+from sid.kernels.rotary import apply_rotary
 from sid.model.config import RopeConfig
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, as Hugging Face does, then cast back."""
+    """RMSNorm computed in float32, as Hugging Face does, then cast back; optionally fused
+    with the residual add (``norm(x + residual)``, the sum written into ``residual``)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        fn = rms_norm if x.is_cuda else rms_norm_ref
+        return fn(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -57,21 +69,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` ``[N, H, D]`` and ``k`` ``[N, KVH, D]`` by their token positions."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotate ``q`` ``[N, H, D]`` and ``k`` ``[N, KVH, D]`` in place by their token positions."""
+        fn = apply_rotary if q.is_cuda else apply_rotary_ref
+        fn(q, k, self.cos, self.sin, positions)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a merged ``[gate | up]`` projection."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return (triton_silu_and_mul if gate_up.is_cuda else silu_and_mul_ref)(gate_up)
