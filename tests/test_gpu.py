@@ -1,4 +1,4 @@
-"""GPU-only checks of the engine: CUDA-graph decode and determinism in bf16.
+"""GPU-only checks of the engine: CUDA graphs (decode and canonical) and determinism in bf16.
 
 CPU twins: the same engine paths run on the CPU in test_engine.py / test_determinism.py,
 and every Triton kernel runs under the interpreter in test_kernels.py.
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sid import LLM, SamplingParams
+from sid.engine.scheduler import ScheduledChunk
 from tests.test_models import record_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU twins run in CI)")
@@ -49,8 +50,6 @@ def test_cuda_graph_decode_is_bit_identical_to_eager_at_the_same_padded_batch(tr
     assert torch.equal(replayed, eager)
     # The unpadded eager step (exact batch, its own attention schedule) agrees within bf16 noise.
     engine.runner.graphs = None
-    from sid.engine.scheduler import ScheduledChunk
-
     seen = record_logits(llm)
     engine.runner.execute([ScheduledChunk(r, r.num_tokens - 1, 1) for r in running], tables)
     unpadded = seen[-1]
@@ -69,3 +68,59 @@ def test_deterministic_request_is_identical_alone_and_under_load_in_bf16(trained
         outs = llm.generate([*crowd[:30], PROMPTS[0], *crowd[30:]], [*params[:30], det, *params[30:]], use_tqdm=False)
         assert outs[30].outputs[0].token_ids == alone, strategy
     assert llm.stats()["verifications"] > 0
+
+
+def test_canonical_graph_gives_the_eager_canonical_pass_bits(trained_model: Path) -> None:
+    """The replayed canonical pass (max_seq_len keys, padded sequence slots) and the eager one
+    (this pass's own sizes) must agree bit for bit: both are the canonical lane."""
+    llm = LLM(str(trained_model), max_num_seqs=64)
+    engine = llm.llm_engine
+    assert engine.runner.graphs is not None and engine.runner.graphs.has_canonical
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p * (i + 1), SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    running = engine.scheduler.running
+    chunks = [ScheduledChunk(r, r.num_computed_tokens - 1 - i, 1 + i) for i, r in enumerate(running)]
+    tables = [engine.kv.block_ids(r) for r in running]
+    replayed = engine.runner.execute(chunks, tables, canonical=True, keep_logits=True)
+    engine.runner.graphs = None
+    eager = engine.runner.execute(chunks, tables, canonical=True, keep_logits=True)
+    for a, b in zip(replayed, eager):
+        assert a.logits is not None and b.logits is not None
+        assert torch.equal(a.logits, b.logits)
+        assert [s.token_id for s in a.samples] == [s.token_id for s in b.samples]
+
+
+def test_deterministic_request_has_the_same_bits_with_and_without_graphs(trained_model: Path) -> None:
+    det = SamplingParams(max_tokens=48, temperature=0.8, seed=3, logprobs=2, ignore_eos=True, deterministic=True)
+    outs = []
+    for eager in (False, True):
+        llm = LLM(str(trained_model), enforce_eager=eager)
+        out = llm.generate(PROMPTS[2], det, use_tqdm=False)[0]
+        outs.append((out.outputs[0].token_ids, out.outputs[0].logprobs, out.fingerprint))
+        del llm
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_engine_logprobs_match_transformers_in_bf16(trained_model: Path, deterministic: bool) -> None:
+    """Graphs, fused kernels and both lanes compute the model itself, not merely the same bits twice:
+    every prompt and output logprob is within bf16 noise of transformers' forward pass."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(trained_model), gpu_memory_utilization=0.3)
+    params = SamplingParams(
+        max_tokens=24, temperature=0, logprobs=0, prompt_logprobs=0, ignore_eos=True, deterministic=deterministic
+    )
+    out = llm.generate([PROMPTS[2], PROMPTS[4]], params, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(trained_model, dtype=torch.bfloat16).cuda()
+    for o in out:
+        ids = o.prompt_token_ids + o.outputs[0].token_ids
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids], device="cuda")).logits[0].float().log_softmax(-1)
+        want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+        got = [lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], ids[1 : len(o.prompt_token_ids)])]
+        got += [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+        assert len(got) == len(want)
+        assert max(abs(a - b) for a, b in zip(got, want)) < 0.1, (got, want)

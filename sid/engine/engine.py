@@ -27,7 +27,7 @@ from sid.model.decoder import Shard
 from sid.model.loader import build_model
 from sid.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from sid.runtime.attention import PagedKVCache, get_backend
-from sid.runtime.cuda_graphs import DecodeGraphs
+from sid.runtime.cuda_graphs import CUDAGraphs
 from sid.runtime.model_runner import ChunkResult, ModelRunner, SampledToken
 from sid.runtime.tp_worker import TPWorkers, WorkerSpec
 from sid.sampling_params import RequestOutputKind, SamplingParams
@@ -79,6 +79,9 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} positions")
         self.max_model_len = config.max_model_len or limit
         self.canonical_rows = config.canonical_rows_for(self.device)
+        cuda = self.device.type == "cuda"
+        # Bytes other engines held when this one started: KV sizing leaves them out.
+        self._memory_baseline = torch.cuda.memory_allocated(self.device) if cuda else 0
         max_positions = max(self.max_model_len, self.canonical_rows)  # padding rows too
         self.workers = self._start_workers(max_positions)
         try:
@@ -143,14 +146,15 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_cache, config.block_size, self.device, self.canonical_rows, self.workers
         )
-        # Under TP the decode graphs would have to capture the collectives too; TP runs eagerly.
+        # Under TP the graphs would have to capture the collectives too; TP runs eagerly.
         if self.device.type == "cuda" and not config.enforce_eager and self.workers is None:
-            self.runner.graphs = DecodeGraphs(
+            self.runner.graphs = CUDAGraphs(
                 self.model,
                 self.kv_cache,
                 max_batch=min(config.max_num_seqs, 256),
-                max_blocks=cdiv(self.max_model_len, config.block_size),
-                max_seq_len=self.max_model_len,
+                canonical_rows=self.canonical_rows if config.enable_determinism else None,
+                max_blocks=cdiv(max_positions, config.block_size),
+                max_seq_len=max_positions,
             )
         self.router = Router(_router_policy(config.router_policy))
         self.numerics = self._numerics_config()
@@ -207,18 +211,23 @@ class LLMEngine:
         )
 
     def _auto_num_blocks(self) -> int:
-        """Pool size: what the memory budget allows after weights and peak activations."""
+        """Pool size: this engine's share of the GPU (``gpu_memory_utilization`` of its
+        memory, as in vLLM) after its own weights and peak activations, within what is free.
+        Memory held by others (another engine in the process) counts against the free part only."""
         per_block = self._block_bytes()
         if self.device.type != "cuda":
             wanted = cdiv(self.config.max_num_seqs * self.max_model_len, self.config.block_size)
             return max(1, min(wanted, self.config.cpu_kv_cache_bytes // per_block))
-        peak = self._profile_peak_bytes()
-        _, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * self.config.gpu_memory_utilization) - peak
+        own_peak = self._profile_peak_bytes() - self._memory_baseline
+        own_now = torch.cuda.memory_allocated(self.device) - self._memory_baseline
+        free, total = torch.cuda.mem_get_info(self.device)
+        share = int(total * self.config.gpu_memory_utilization)
+        budget = min(share - own_peak, free - (own_peak - own_now))
         if budget < per_block:
             raise ValueError(
-                f"no memory left for the KV cache: weights and activations take {peak / 2**30:.1f} GiB of "
-                f"{total * self.config.gpu_memory_utilization / 2**30:.1f} GiB; raise gpu_memory_utilization"
+                f"no memory left for the KV cache: weights and activations take {own_peak / 2**30:.1f} GiB of "
+                f"this engine's {share / 2**30:.1f} GiB, with {free / 2**30:.1f} GiB free on the device; "
+                "raise gpu_memory_utilization or free the GPU"
             )
         return budget // per_block
 

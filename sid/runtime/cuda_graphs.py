@@ -1,19 +1,32 @@
-"""CUDA graphs for decode steps of the fast lane, one per batch-size bucket.
+"""CUDA graphs: the fast lane's decode steps, one per batch-size bucket, and the canonical pass.
 
-A decode step launches a few hundred small kernels; replaying a captured graph removes the
-launch gaps. Every bucket's graph reads the same static input buffers (a step's rows are
-copied in, padded to the bucket with rows that write nothing) and all graphs share one
-memory pool. Attention inside a graph is launched for ``max_seq_len`` keys (the model's
-limit), so its schedule is fixed at capture; rows with shorter contexts skip the empty
-tiles. Sampling stays outside the graph.
+A decode step or a canonical pass launches a few hundred small kernels; replaying a captured
+graph removes the launch gaps. Every graph reads the same static input buffers (a pass's
+rows are copied in and padded) and all graphs share one memory pool. Attention inside a
+graph is launched for ``max_seq_len`` keys (the model's limit), so its schedule is fixed at
+capture; rows with shorter contexts skip the empty tiles. Sampling stays outside the graph.
+
+* A decode graph of bucket ``b`` runs ``b`` one-row sequences; rows past the step's are
+  padding that writes nothing.
+* The canonical graph (DESIGN 3.1) runs exactly ``canonical_rows`` rows, as the eager
+  canonical pass does, over ``canonical_rows + 1`` sequence slots (a pass has at most one
+  sequence per row plus the padding sequence); unused slots have no query rows, so the
+  attention kernel skips them. Its schedule depends on positions only, so replaying it gives
+  the eager canonical pass's bits (tests/test_gpu.py checks this).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from sid.model.decoder import CausalLM
 from sid.runtime.attention import AttentionMetadata, PagedKVCache
+from sid.runtime.transfer import padded_table, upload
+
+CANONICAL = 0
+"""Key of the canonical graph (decode buckets are keyed by their batch size, >= 1)."""
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -22,79 +35,127 @@ def decode_buckets(max_batch: int) -> list[int]:
     return small + list(range(16, max_batch + 1, 16)) + ([max_batch] if max_batch % 16 and max_batch > 8 else [])
 
 
-class DecodeGraphs:
+@dataclass(frozen=True)
+class GraphShape:
+    rows: int
+    seqs: int
+    canonical: bool
+
+
+class CUDAGraphs:
     def __init__(
-        self, model: CausalLM, kv_cache: PagedKVCache, *, max_batch: int, max_blocks: int, max_seq_len: int
+        self,
+        model: CausalLM,
+        kv_cache: PagedKVCache,
+        *,
+        max_batch: int,
+        canonical_rows: int | None,
+        max_blocks: int,
+        max_seq_len: int,
     ) -> None:
         self.model, self.kv_cache = model, kv_cache
         self.max_seq_len = max_seq_len
         self.buckets = decode_buckets(max_batch)
+        self.shapes = {b: GraphShape(b, b, False) for b in self.buckets}
+        if canonical_rows is not None:
+            self.shapes[CANONICAL] = GraphShape(canonical_rows, canonical_rows + 1, True)
         device = kv_cache.k[0].device
-        n = self.buckets[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slots = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        rows = max(s.rows for s in self.shapes.values())
+        seqs = max(s.seqs for s in self.shapes.values())
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.slots = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros((seqs, max_blocks), dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(seqs, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(seqs + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self._capture()
 
-    def _meta(self, b: int) -> AttentionMetadata:
+    @property
+    def has_canonical(self) -> bool:
+        return CANONICAL in self.shapes
+
+    def _meta(self, shape: GraphShape) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slots[:b],
-            block_tables=self.block_tables[:b],
-            seq_lens=self.seq_lens[:b],
-            query_start_loc=self.query_start_loc[: b + 1],
-            max_query_len=1,
+            slot_mapping=self.slots[: shape.rows],
+            block_tables=self.block_tables[: shape.seqs],
+            seq_lens=self.seq_lens[: shape.seqs],
+            query_start_loc=self.query_start_loc[: shape.seqs + 1],
+            max_query_len=shape.rows if shape.canonical else 1,
             max_seq_len=self.max_seq_len,
+            canonical=shape.canonical,
         )
 
-    def forward(self, b: int) -> torch.Tensor:
-        """The captured computation, eagerly: logits of the first ``b`` static rows."""
-        self.kv_cache.meta = self._meta(b)
-        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_cache)
+    def forward(self, key: int) -> torch.Tensor:
+        """The captured computation of graph ``key``, eagerly: logits of its static rows."""
+        shape = self.shapes[key]
+        self.kv_cache.meta = self._meta(shape)
+        hidden = self.model(self.input_ids[: shape.rows], self.positions[: shape.rows], self.kv_cache)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.buckets):
-            self.forward(b)  # warm-up: compiles kernels, sizes workspaces
+        for key in sorted(self.shapes, key=lambda k: self.shapes[k].rows, reverse=True):
+            shape = self.shapes[key]
+            # Capture inputs must be a valid pass of this shape: one row per sequence slot,
+            # and for the canonical graph an empty last slot (it has one slot more than rows).
+            self.query_start_loc[: shape.seqs + 1].copy_(torch.arange(shape.seqs + 1).clamp_(max=shape.rows))
+            self.forward(key)  # warm-up: compiles kernels, sizes workspaces
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = self.forward(b)
-            self.graphs[b] = graph
+                self.logits[key] = self.forward(key)
+            self.graphs[key] = graph
         torch.cuda.synchronize()
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
     def load(
-        self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]], seq_lens: list[int]
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        tables: list[list[int]],
+        seq_lens: list[int],
+        query_start_loc: list[int] | None = None,
+        *,
+        canonical: bool = False,
     ) -> int:
-        """Copy a decode step's rows into the static buffers, padding to the bucket; returns it."""
-        n = len(input_ids)
-        b = self.bucket(n)
-        assert b is not None
-        width = self.block_tables.shape[1]
-        dev = self.input_ids.device
-        self.input_ids[:n].copy_(torch.tensor(input_ids), non_blocking=True)
-        self.positions[:n].copy_(torch.tensor(positions), non_blocking=True)
-        self.slots[:n].copy_(torch.tensor(slots), non_blocking=True)
-        self.seq_lens[:n].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        self.block_tables[:n].copy_(table.to(dev, non_blocking=True))
-        if b > n:
-            self.input_ids[n:b].zero_()
-            self.positions[n:b].zero_()
-            self.slots[n:b].fill_(-1)
-            self.seq_lens[n:b].fill_(1)
-            self.block_tables[n:b].zero_()
-        return b
+        """Copy a pass into the static buffers, padded to its graph; returns the graph's key.
 
-    def replay(self, b: int) -> torch.Tensor:
-        self.graphs[b].replay()
-        return self.logits[b]
+        A decode step gives one row per sequence (``query_start_loc`` None); a canonical pass
+        gives exactly ``canonical_rows`` rows, padding rows included.
+        """
+        n, s = len(input_ids), len(seq_lens)
+        key = CANONICAL if canonical else self.bucket(n)
+        assert key is not None
+        shape = self.shapes[key]
+        assert n == shape.rows or not canonical
+        qsl = list(range(n + 1)) if query_start_loc is None else query_start_loc
+        rows_pad, seqs_pad = shape.rows - n, shape.seqs - s
+        # Padding: rows write nothing; decode padding rows are one-key sequences, canonical
+        # padding sequence slots have no rows at all.
+        pad_qsl = range(n + 1, shape.rows + 1) if not canonical else [n] * seqs_pad
+        # Entries past a sequence's own blocks are never read, so stale ones may stay.
+        width = max(len(t) for t in tables)
+        device = self.input_ids.device
+        ids, pos, slot = upload(
+            device, [[*input_ids, *[0] * rows_pad], [*positions, *[0] * rows_pad], [*slots, *[-1] * rows_pad]], torch.int64
+        )
+        lens, starts, table = upload(
+            device, [[*seq_lens, *[1] * seqs_pad], [*qsl, *pad_qsl], padded_table(tables, width, shape.seqs)], torch.int32
+        )
+        self.input_ids[: shape.rows].copy_(ids)
+        self.positions[: shape.rows].copy_(pos)
+        self.slots[: shape.rows].copy_(slot)
+        self.seq_lens[: shape.seqs].copy_(lens)
+        self.query_start_loc[: shape.seqs + 1].copy_(starts)
+        self.block_tables[: shape.seqs, :width].copy_(table.view(shape.seqs, width))
+        return key
+
+    def replay(self, key: int) -> torch.Tensor:
+        self.graphs[key].replay()
+        return self.logits[key]

@@ -26,9 +26,10 @@ from sid.engine.scheduler import ScheduledChunk
 from sid.model.decoder import CausalLM
 from sid.outputs import Logprob, PositionLogprobs
 from sid.runtime.attention import AttentionMetadata, PagedKVCache
-from sid.runtime.cuda_graphs import DecodeGraphs
+from sid.runtime.cuda_graphs import CUDAGraphs
 from sid.runtime.faults import FAULTS
 from sid.runtime.sampler import SamplerOutput, SamplingBatch, compute_logprobs, sample
+from sid.runtime.transfer import padded_table, upload
 from sid.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -96,7 +97,7 @@ class ModelRunner:
         self.device = device
         self.canonical_rows = canonical_rows
         self.vocab_size = model.cfg.vocab_size
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: CUDAGraphs | None = None
         self.workers = workers
         """Rank 0 of a tensor-parallel group: each pass is sent to these workers first."""
 
@@ -123,32 +124,30 @@ class ModelRunner:
             seq_lens.append(pad)
         return slots, tables, seq_lens, qsl
 
-    def _metadata(
-        self, slots: list[int], tables: list[list[int]], seq_lens: list[int], qsl: list[int], canonical: bool
-    ) -> AttentionMetadata:
-        width = max(len(t) for t in tables)
-        return AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            query_start_loc=self._tensor(qsl, torch.int32),
-            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)),
-            max_seq_len=max(seq_lens),
-            canonical=canonical,
-        )
-
     def _sampling_batch(self, rows: Sequence[tuple[Request | None, int]]) -> SamplingBatch:
         """Settings for rows choosing the token after ``position`` of their request."""
         params = [r.params if r is not None else _PAD_PARAMS for r, _ in rows]
         v = self.vocab_size
         f32, i64 = torch.float32, torch.int64
+        temperature, top_p, min_p = upload(
+            self.device, [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]], f32
+        )
+        top_k, seeds, positions = upload(
+            self.device,
+            [
+                [p.top_k if p.top_k > 0 else v for p in params],
+                [r.seed if r is not None else 0 for r, _ in rows],
+                [pos + 1 for _, pos in rows],
+            ],
+            i64,
+        )
         b = SamplingBatch(
-            temperature=self._tensor([p.temperature for p in params], f32),
-            top_k=self._tensor([p.top_k if p.top_k > 0 else v for p in params], i64),
-            top_p=self._tensor([p.top_p for p in params], f32),
-            min_p=self._tensor([p.min_p for p in params], f32),
-            seeds=self._tensor([r.seed if r is not None else 0 for r, _ in rows], i64),
-            positions=self._tensor([pos + 1 for _, pos in rows], i64),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seeds=seeds,
+            positions=positions,
             any_random=any(not p.greedy for p in params),
             any_top_k=any(0 < p.top_k < v for p in params),
             any_top_p_or_min_p=any(p.top_p < 1.0 or p.min_p > 0.0 for p in params),
@@ -157,9 +156,9 @@ class ModelRunner:
         if wanted:
             b.num_logprobs = max(wanted)
         if any(p.uses_penalties for p in params):
-            b.presence_penalty = self._tensor([p.presence_penalty for p in params], f32)
-            b.frequency_penalty = self._tensor([p.frequency_penalty for p in params], f32)
-            b.repetition_penalty = self._tensor([p.repetition_penalty for p in params], f32)
+            penalties = [[p.presence_penalty for p in params], [p.frequency_penalty for p in params]]
+            penalties.append([p.repetition_penalty for p in params])
+            b.presence_penalty, b.frequency_penalty, b.repetition_penalty = upload(self.device, penalties, f32)
             counts = torch.zeros((len(rows), v), dtype=i64, device=self.device)
             seen = torch.zeros((len(rows), v), dtype=torch.bool, device=self.device)
             for i, (r, pos) in enumerate(rows):
@@ -205,17 +204,19 @@ class ModelRunner:
 
         layout = self._layout(chunks, block_ids, pad)
         results = [ChunkResult() for _ in chunks]
-        rows = [(chunks[i].request, positions[row]) for row, i in sample_rows]
-        graph = self.graphs is not None and not canonical and not prompt_rows and len(input_ids) == len(chunks)
-        if graph and self.graphs.bucket(len(input_ids)) is not None:  # type: ignore[union-attr]
-            if not sample_rows:
-                return results
-            bucket = self.graphs.load(input_ids, positions, layout[0], layout[1], layout[2])  # type: ignore[union-attr]
-            all_logits = self.graphs.replay(bucket)  # type: ignore[union-attr]
-            logits = self._fast_lane_faults(all_logits[self._tensor([r for r, _ in sample_rows], torch.int64)], len(input_ids))
-            return self._sample(chunks, results, logits, rows, sample_rows, positions)
+        rows = [(chunks[i].request, positions[row]) for row, i in sample_rows] + [(None, 0)] * pad
+        # Uploaded before the pass is launched: copies issued after it would wait for the GPU.
+        batch = self._sampling_batch(rows) if rows else None
         index = None if canonical else [row for row, _, _ in prompt_rows] + [row for row, _ in sample_rows]
-        logits = self.forward(StepInputs(input_ids, positions, *layout, canonical, index))
+        if self._graph_runs(canonical, prompt_rows, len(input_ids), len(chunks)):
+            key = self.graphs.load(input_ids, positions, *layout, canonical=canonical)  # type: ignore[union-attr]
+            logits = self.graphs.replay(key)  # type: ignore[union-attr]
+            if index is not None and index != list(range(len(index))):
+                logits = logits[self._tensor(index, torch.int64)]
+            elif index is not None:
+                logits = logits[: len(index)]
+        else:
+            logits = self.forward(StepInputs(input_ids, positions, *layout, canonical, index))
         if logits is None:
             return results
         if canonical:
@@ -223,7 +224,6 @@ class ModelRunner:
                 logits = logits + FAULTS.canonical_cross_row * float(sum(input_ids) % 7)
             prompt_index = [row for row, _, _ in prompt_rows]
             sample_logits = logits
-            rows += [(None, 0)] * pad
             if keep_logits:
                 for i, chunk in enumerate(chunks):
                     first = sum(c.num_tokens for c in chunks[:i])
@@ -239,25 +239,47 @@ class ModelRunner:
             for k, (_, _, i) in enumerate(prompt_rows):
                 own_top = chunks[i].request.params.prompt_logprobs or 0
                 results[i].prompt_logprobs.append(_position_logprobs(scored, k, own_top))
-        if sample_rows:
-            self._sample(chunks, results, sample_logits, rows, sample_rows, positions)
+        if batch is not None:
+            self._sample(chunks, results, sample_logits, batch, sample_rows, positions)
         return results
+
+    def _graph_runs(self, canonical: bool, prompt_rows: list[tuple[int, int, int]], num_rows: int, num_seqs: int) -> bool:
+        """Whether a captured graph computes this pass: every canonical pass, and decode-only
+        fast steps (one row per sequence, no prompt logprobs) up to the largest bucket."""
+        if self.graphs is None:
+            return False
+        if canonical:
+            return self.graphs.has_canonical
+        return not prompt_rows and num_rows == num_seqs and self.graphs.bucket(num_rows) is not None
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor | None:
         """Every rank's part of a pass: the model over its rows, then the logits of
         ``step.logit_rows`` (None when there are none). Rank 0 sends the step to the workers first."""
         with self.workers.running(step) if self.workers is not None else nullcontext():
-            self.kv_cache.meta = self._metadata(
-                step.slots, step.block_tables, step.seq_lens, step.query_start_loc, step.canonical
+            width = max(len(t) for t in step.block_tables)
+            qsl = step.query_start_loc
+            ids, positions, slots, logit_rows = upload(
+                self.device, [step.input_ids, step.positions, step.slots, step.logit_rows or []], torch.int64
             )
-            ids = self._tensor(step.input_ids, torch.int64)
-            hidden = self.model(ids, self._tensor(step.positions, torch.int64), self.kv_cache)
+            seq_lens, query_start_loc, tables = upload(
+                self.device, [step.seq_lens, qsl, padded_table(step.block_tables, width)], torch.int32
+            )
+            self.kv_cache.meta = AttentionMetadata(
+                slot_mapping=slots,
+                block_tables=tables.view(-1, width),
+                seq_lens=seq_lens,
+                query_start_loc=query_start_loc,
+                max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)),
+                max_seq_len=max(step.seq_lens),
+                canonical=step.canonical,
+            )
+            hidden = self.model(ids, positions, self.kv_cache)
             if step.logit_rows is None:
                 return self.model.compute_logits(hidden)  # every row, padding included
             if not step.logit_rows:
                 return None
-            return self.model.compute_logits(hidden[self._tensor(step.logit_rows, torch.int64)])
+            return self.model.compute_logits(hidden[logit_rows])
 
     def _fast_lane_faults(self, logits: torch.Tensor, num_rows: int) -> torch.Tensor:
         if not FAULTS.fast_lane_logit_noise:
@@ -271,12 +293,12 @@ class ModelRunner:
         chunks: Sequence[ScheduledChunk],
         results: list[ChunkResult],
         logits: torch.Tensor,
-        rows: list[tuple[Request | None, int]],
+        batch: SamplingBatch,
         sample_rows: list[tuple[int, int]],
         positions: list[int],
     ) -> list[ChunkResult]:
-        """Sample ``rows`` (one per logits row) and hand each real row's token to its chunk."""
-        sampled = sample(logits, self._sampling_batch(rows))
+        """Sample every logits row under ``batch`` and hand each real row's token to its chunk."""
+        sampled = sample(logits, batch)
         tokens = sampled.token_ids.tolist()
         for k, (row, i) in enumerate(sample_rows):
             r = chunks[i].request
