@@ -80,7 +80,7 @@ def write_json(name: str, data: dict[str, Any], out: str | None) -> Path:
 
 
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    widths = {c: max([len(c), *(len(_fmt(r.get(c))) for r in rows)]) for c in columns}
     lines = ["  ".join(c.ljust(widths[c]) for c in columns)]
     lines += ["  ".join(_fmt(r.get(c)).ljust(widths[c]) for c in columns) for r in rows]
     return "\n".join(lines)

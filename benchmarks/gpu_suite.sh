@@ -2,7 +2,8 @@
 # Everything Sid checks and measures on the H200, in one device call.
 #   usage (device tool, carry .carry): bash benchmarks/gpu_suite.sh [STEP ...]
 # Steps: tests throughput_qwen decode_roofline throughput_llama cost_qwen cost_llama cost_trained
-#        repro_trained repro_llama serve
+#        repro_trained repro_llama serve profile_qwen profile_llama prefill
+# Environment: REPEATS (cost_qwen, default 1), FRACTIONS (cost_*, default all), LLAMA_REQUESTS.
 # `serve` needs the server's packages, absent on the H200 image: carry them as wheels in .whl
 # (ignored by git), made here with, for each of fastapi starlette pydantic pydantic_core uvicorn
 # annotated-types typing-inspection annotated-doc opentelemetry-api importlib-metadata at the venv's versions:
@@ -14,6 +15,7 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 SID_TRAINED_MODEL=$PWD/.carry/models/tiny-pycode-llama
 RES=/tmp/sid-results; mkdir -p "$RES"; OUT=${OUT:-out}; mkdir -p "$OUT"
 TRAINED=$SID_TRAINED_MODEL
+FRAC=${FRACTIONS:+--fractions $FRACTIONS}
 
 run_step() {
   local name=$1 limit=$2; shift 2
@@ -26,17 +28,20 @@ run_step() {
 
 step() {
   case $1 in
-    tests) run_step tests 240 python3 -m pytest -q -x tests/test_gpu.py tests/test_kernels.py ;;
+    tests) run_step tests 300 python3 -m pytest -q tests/test_gpu.py tests/test_kernels.py tests/test_layer_kernels.py ;;
     throughput_qwen) run_step throughput_qwen 200 python3 benchmarks/throughput.py --model qwen3-0.6b --peer --out "$RES" ;;
     throughput_llama) run_step throughput_llama 200 python3 benchmarks/throughput.py --model llama-3.1-8b --out "$RES" ;;
     decode_roofline) run_step decode_roofline 200 python3 benchmarks/decode_roofline.py --model llama-3.1-8b --out "$RES" ;;
-    cost_qwen) run_step cost_qwen 300 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --repeats "${REPEATS:-1}" --out "$RES/qwen" ;;
-    cost_llama) run_step cost_llama 300 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --requests "${LLAMA_REQUESTS:-128}" --repeats 1 --out "$RES/llama" ;;
-    cost_trained) run_step cost_trained 200 python3 benchmarks/determinism_cost.py --model "$TRAINED" --repeats 1 --out "$RES/trained" ;;
+    cost_qwen) run_step cost_qwen 400 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --repeats "${REPEATS:-1}" $FRAC --out "$RES/qwen" ;;
+    cost_llama) run_step cost_llama 300 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --requests "${LLAMA_REQUESTS:-128}" --repeats "${REPEATS:-1}" $FRAC --out "$RES/llama" ;;
+    cost_trained) run_step cost_trained 200 python3 benchmarks/determinism_cost.py --model "$TRAINED" --max-len 400 --repeats 1 $FRAC --out "$RES/trained" ;;
     repro_trained) run_step repro_trained 200 python3 -m sid repro --model "$TRAINED" --device cuda --out "$RES/repro_trained" ;;
     serve) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
       export PYTHONPATH=$PYTHONPATH:/tmp/site && run_step serve 400 python3 benchmarks/serve.py --model llama-3.1-8b --out "$RES" ;;
     repro_llama) run_step repro_llama 300 python3 -m sid repro --model /tmp/sid-preset-llama-3.1-8b --load-format dummy --device cuda --max-model-len 2048 --out "$RES/repro_llama" ;;
+    prefill) run_step prefill 120 python3 benchmarks/prefill.py --model llama-3.1-8b --out "$RES" ;;
+    profile_qwen) run_step profile_qwen 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --out "$RES" ;;
+    profile_llama) run_step profile_llama 200 python3 benchmarks/step_profile.py --model llama-3.1-8b --out "$RES" ;;
     *) echo "unknown step $1" ;;
   esac
 }

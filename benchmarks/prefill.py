@@ -1,0 +1,100 @@
+"""Prefill against the matmul rate: the model's GEMMs at a prefill step's size, and the whole step.
+
+The bf16 matmul rate is measured in the same run (an 8192^3 ``torch.mm``). Each linear layer of
+one decoder layer is then timed at ``--tokens`` rows (the scheduler's token budget), and a
+whole prefill step (``--tokens`` rows as ``--seqs`` fresh prompts, eager, as the engine runs
+it) is timed end to end; its rate counts the linear layers' FLOPs (2 x params x tokens)
+plus causal attention's (2 x 2 x tokens x context / 2 x heads x head_dim per layer).
+
+    python benchmarks/prefill.py --model llama-3.1-8b      # H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import PRESETS, model_dir, table, write_json  # noqa: E402
+
+from sid import LLM, SamplingParams  # noqa: E402
+from sid.engine.request import Request  # noqa: E402
+from sid.engine.scheduler import ScheduledChunk  # noqa: E402
+
+
+def cuda_time(fn, iters: int = 20) -> float:  # noqa: ANN001 - any callable
+    """Median seconds of ``fn()`` on the GPU."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--seqs", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    peak = 2 * 8192**3 / cuda_time(lambda: a @ a)
+    del a
+    llm = LLM(model_dir(args.model), load_format="dummy" if args.model in PRESETS else "auto",
+              max_model_len=args.tokens + 16, max_num_batched_tokens=args.tokens, enable_determinism=False)
+    engine = llm.llm_engine
+    model = engine.model
+    layer = model.layers[0]
+    x = torch.randn(args.tokens, engine.model_config.hidden_size, dtype=engine.dtype, device="cuda")
+    rows = []
+    linears = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+               "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
+    gemm_seconds = gemm_flops = 0.0
+    for name, lin in linears.items():
+        inp = torch.randn(args.tokens, lin.in_features, dtype=engine.dtype, device="cuda")
+        seconds = cuda_time(lambda lin=lin, inp=inp: lin(inp))
+        flops = 2 * args.tokens * lin.in_features * lin.out_features
+        gemm_seconds += seconds
+        gemm_flops += flops
+        rows.append({"op": name, "shape": f"{args.tokens}x{lin.in_features}->{lin.out_features}",
+                     "ms": seconds * 1e3, "TFLOPs": flops / seconds / 1e12, "of_matmul_peak": flops / seconds / peak})
+    rows.append({"op": "one layer's GEMMs", "ms": gemm_seconds * 1e3, "TFLOPs": gemm_flops / gemm_seconds / 1e12,
+                 "of_matmul_peak": gemm_flops / gemm_seconds / peak})
+    del x
+
+    per_seq = args.tokens // args.seqs
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    chunks, tables = [], []
+    for s in range(args.seqs):
+        r = Request(f"prefill-{s}", None, list(range(1, per_seq + 1)), params, 0, 1, frozenset(), 0)
+        assert engine.kv.allocate(r, per_seq)
+        chunks.append(ScheduledChunk(r, 0, per_seq))
+        tables.append(engine.kv.block_ids(r))
+    seconds = cuda_time(lambda: engine.runner.execute(chunks, tables), iters=10)
+    cfg = engine.model_config
+    linear_params = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
+    attn_flops = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * args.seqs * per_seq * per_seq  # causal: half of 4
+    step_flops = 2 * linear_params * args.tokens + attn_flops
+    rows.append({"op": f"prefill step ({args.seqs} x {per_seq})", "ms": seconds * 1e3,
+                 "TFLOPs": step_flops / seconds / 1e12, "of_matmul_peak": step_flops / seconds / peak})
+    meta = {"model": args.model, "gpu": torch.cuda.get_device_name(), "matmul_TFLOPs": peak / 1e12}
+    out = write_json(f"prefill_{Path(args.model).name}", {**meta, "rows": rows}, args.out)
+    print(f"{args.model} on {meta['gpu']}: bf16 matmul {peak / 1e12:.0f} TFLOP/s (8192^3, this run)")
+    print(table(rows, ["op", "shape", "ms", "TFLOPs", "of_matmul_peak"]))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
