@@ -156,6 +156,7 @@ class LLMEngine:
                 max_blocks=cdiv(max_positions, config.block_size),
                 max_seq_len=max_positions,
             )
+            self.runner.graphs.capture()
         self.router = Router(_router_policy(config.router_policy))
         self.numerics = self._numerics_config()
         self.fingerprint = numerics_fingerprint(self.numerics)

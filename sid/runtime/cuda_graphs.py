@@ -30,9 +30,8 @@ CANONICAL = 0
 
 
 def decode_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every 16 up to ``max_batch``."""
-    small = [b for b in (1, 2, 4, 8) if b < max_batch]
-    return small + list(range(16, max_batch + 1, 16)) + ([max_batch] if max_batch % 16 and max_batch > 8 else [])
+    """1, 2, 4, 8, then every 16 below ``max_batch``, and ``max_batch`` itself."""
+    return [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,6 @@ class CUDAGraphs:
         self.query_start_loc = torch.arange(seqs + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self._capture()
 
     @property
     def has_canonical(self) -> bool:
@@ -94,14 +92,24 @@ class CUDAGraphs:
         hidden = self.model(self.input_ids[: shape.rows], self.positions[: shape.rows], self.kv_cache)
         return self.model.compute_logits(hidden)
 
+    def load_placeholder(self, key: int) -> None:
+        """A valid pass of graph ``key``'s shape, writing nothing: one padding row per
+        sequence slot, and for the canonical graph an empty last slot (it has one slot more
+        than rows). Capture runs on it, so it must never index past the shape's rows."""
+        shape = self.shapes[key]
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.slots.fill_(-1)
+        self.block_tables.zero_()
+        self.seq_lens.fill_(1)
+        self.query_start_loc[: shape.seqs + 1].copy_(torch.arange(shape.seqs + 1).clamp_(max=shape.rows))
+
     @torch.inference_mode()
-    def _capture(self) -> None:
+    def capture(self) -> None:
+        """Record every graph (largest first, so smaller ones reuse the pool's blocks)."""
         pool = torch.cuda.graph_pool_handle()
         for key in sorted(self.shapes, key=lambda k: self.shapes[k].rows, reverse=True):
-            shape = self.shapes[key]
-            # Capture inputs must be a valid pass of this shape: one row per sequence slot,
-            # and for the canonical graph an empty last slot (it has one slot more than rows).
-            self.query_start_loc[: shape.seqs + 1].copy_(torch.arange(shape.seqs + 1).clamp_(max=shape.rows))
+            self.load_placeholder(key)
             self.forward(key)  # warm-up: compiles kernels, sizes workspaces
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

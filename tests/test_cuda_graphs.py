@@ -1,0 +1,111 @@
+"""The CUDA graphs' static inputs, checked on the CPU (the GPU twin replays real graphs in
+tests/test_gpu.py).
+
+A graph replays what ``CUDAGraphs.forward`` computed at capture, reading the static
+buffers. Here ``forward`` stands in for the replay, so the runner's graph path (padding to a
+bucket or to the canonical shape, empty sequence slots, placeholder layouts) runs on the
+CPU with the torch attention backend and is compared with the eager runner.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sid import LLM, SamplingParams
+from sid.engine.engine import LLMEngine
+from sid.engine.kv_cache import cdiv
+from sid.engine.scheduler import ScheduledChunk
+from sid.runtime.cuda_graphs import CANONICAL, CUDAGraphs
+from sid.runtime.model_runner import ChunkResult
+
+PROMPTS = ["def main(", "import numpy as np\n", "class Config:\n    def __init__(self", "    for i in range(", "# t\n"]
+
+
+@pytest.fixture
+def engine(trained_model: Path) -> LLMEngine:
+    """Five requests past their prompts, with graphs built (not captured) beside the runner."""
+    llm = LLM(str(trained_model), max_num_seqs=8, dtype="float32")
+    engine = llm.llm_engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p * (i + 1), SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    return engine
+
+
+def graphs_for(engine: LLMEngine) -> CUDAGraphs:
+    max_positions = max(engine.max_model_len, engine.canonical_rows)
+    graphs = CUDAGraphs(
+        engine.model,
+        engine.kv_cache,
+        max_batch=8,
+        canonical_rows=engine.canonical_rows,
+        max_blocks=cdiv(max_positions, engine.config.block_size),
+        max_seq_len=max_positions,
+    )
+    graphs.replay = graphs.forward  # type: ignore[method-assign]  # what a replay computes
+    return graphs
+
+
+def run(engine: LLMEngine, chunks: list[ScheduledChunk], graphs: CUDAGraphs | None, canonical: bool) -> list[ChunkResult]:
+    engine.runner.graphs = graphs
+    tables = [engine.kv.block_ids(c.request) for c in chunks]
+    return engine.runner.execute(chunks, tables, canonical=canonical, keep_logits=True)
+
+
+def test_every_placeholder_is_a_valid_pass_that_writes_nothing(engine: LLMEngine) -> None:
+    graphs = graphs_for(engine)
+    cache = [t.clone() for t in engine.kv_cache.k + engine.kv_cache.v]
+    cos = engine.model.rotary.cos.clone()
+    for key, shape in graphs.shapes.items():
+        graphs.load_placeholder(key)
+        qsl = graphs.query_start_loc[: shape.seqs + 1]
+        q_lens = qsl[1:] - qsl[:-1]
+        assert int(qsl[0]) == 0 and int(qsl[-1]) == shape.rows, key
+        assert bool((q_lens >= 0).all()) and bool((q_lens <= graphs.seq_lens[: shape.seqs]).all()), key
+        with torch.inference_mode():
+            logits = graphs.forward(key)
+        assert logits.shape[0] == shape.rows and bool(torch.isfinite(logits).all()), key
+    assert all(torch.equal(a, b) for a, b in zip(cache, engine.kv_cache.k + engine.kv_cache.v))
+    assert torch.equal(cos, engine.model.rotary.cos)
+    assert CANONICAL in graphs.shapes
+
+
+def test_a_canonical_pass_through_the_static_buffers_has_the_eager_bits(engine: LLMEngine) -> None:
+    """Ragged chunks, an empty-slot tail and the padding sequence: the same bits as eager."""
+    running = engine.scheduler.running
+    chunks = [ScheduledChunk(r, r.num_computed_tokens - 1 - i, 1 + i) for i, r in enumerate(running)]
+    eager = run(engine, chunks, None, canonical=True)
+    graphed = run(engine, chunks, graphs_for(engine), canonical=True)
+    for a, b in zip(eager, graphed):
+        assert a.logits is not None and b.logits is not None
+        assert torch.equal(a.logits, b.logits)
+        assert [s.token_id for s in a.samples] == [s.token_id for s in b.samples]
+
+
+def test_a_decode_step_padded_to_its_bucket_matches_the_eager_step(engine: LLMEngine) -> None:
+    """Five rows padded to the bucket of 8: float32 on the CPU varies with the row count, so
+    the logits agree to rounding and the greedy tokens exactly."""
+    running = engine.scheduler.running
+    assert all(r.num_computed_tokens == r.num_tokens - 1 and engine.kv.allocate(r, r.num_tokens) for r in running)
+    chunks = [ScheduledChunk(r, r.num_computed_tokens, 1) for r in running]  # each samples the next token
+    graphs = graphs_for(engine)
+    assert graphs.bucket(len(chunks)) == 8
+    seen: list[torch.Tensor] = []
+    original = engine.model.compute_logits
+
+    def recorded(hidden: torch.Tensor) -> torch.Tensor:
+        seen.append(original(hidden).clone())
+        return seen[-1]
+
+    engine.model.compute_logits = recorded  # type: ignore[method-assign]
+    eager = run(engine, chunks, None, canonical=False)
+    graphed = run(engine, chunks, graphs, canonical=False)
+    tokens = [s.token_id for r in eager for s in r.samples]
+    assert len(tokens) == len(chunks) and tokens == [s.token_id for r in graphed for s in r.samples]
+    assert [t.shape[0] for t in seen] == [len(chunks), 8]
+    scale = float(seen[0].abs().max())
+    torch.testing.assert_close(seen[1][: len(chunks)], seen[0], rtol=0, atol=1e-4 * scale)
