@@ -36,12 +36,17 @@ def decode_buckets(max_batch: int) -> list[int]:
 
 @dataclass(frozen=True)
 class GraphShape:
+    """A graph's query rows and sequence slots, and whether it is the canonical pass."""
+
     rows: int
     seqs: int
     canonical: bool
 
 
 class CUDAGraphs:
+    """The captured graphs over one set of static input buffers: ``load`` (or
+    ``load_placeholder``) fills the buffers for a graph's shape, ``replay`` runs it."""
+
     def __init__(
         self,
         model: CausalLM,
@@ -66,7 +71,7 @@ class CUDAGraphs:
         self.slots = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros((seqs, max_blocks), dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(seqs, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(seqs + 1, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
