@@ -164,6 +164,8 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool cannot provide them.
         """
+        if not cached and cdiv(upto, self.block_size) <= len(self.blocks_of(request)):
+            return True  # most decode steps: the last block still has room
         if not self.can_allocate(request, upto, cached):
             return False
         blocks = self._blocks.setdefault(request.request_id, [])

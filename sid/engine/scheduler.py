@@ -186,10 +186,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         demands: list[_Demand] = []
         planned: set[int] = set()
+        preempted: set[int] = set()
         for request in list(self.running):
             if budget == 0:
                 break
-            if request not in self.running:  # preempted below to make room for an earlier one
+            if id(request) in preempted:  # preempted below to make room for an earlier one
                 continue
             demand = self._demand(request, budget)
             while not self.kv.allocate(request, demand.upto):
@@ -198,6 +199,7 @@ class Scheduler:
                     victim = request
                 self._preempt(victim)
                 plan.preempted.append(victim)
+                preempted.add(id(victim))
                 if victim is request:
                     break
             else:

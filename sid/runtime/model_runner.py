@@ -105,7 +105,7 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
     def _layout(
-        self, chunks: Sequence[ScheduledChunk], block_ids: Sequence[Sequence[int]], pad: int
+        self, chunks: Sequence[ScheduledChunk], block_ids: Sequence[list[int]], pad: int
     ) -> tuple[list[int], list[list[int]], list[int], list[int]]:
         """Slots, block tables, context lengths and query starts; ``pad`` trailing rows form
         one sequence that writes nothing."""
@@ -114,7 +114,7 @@ class ModelRunner:
         for chunk, blocks in zip(chunks, block_ids):
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(chunk.start, chunk.end))
         slots.extend([-1] * pad)
-        tables = [list(b) for b in block_ids] + ([[0] * cdiv(pad, bs)] if pad else [])
+        tables = [*block_ids, *([[0] * cdiv(pad, bs)] if pad else [])]
         qsl = [0]
         for chunk in chunks:
             qsl.append(qsl[-1] + chunk.num_tokens)
@@ -173,7 +173,7 @@ class ModelRunner:
     def execute(
         self,
         chunks: Sequence[ScheduledChunk],
-        block_ids: Sequence[Sequence[int]],
+        block_ids: Sequence[list[int]],
         *,
         canonical: bool = False,
         keep_logits: bool = False,
