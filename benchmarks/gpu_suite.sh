@@ -2,7 +2,7 @@
 # Everything Sid checks and measures on the H200, in one device call.
 #   usage (device tool, carry .carry): bash benchmarks/gpu_suite.sh [STEP ...]
 # Steps: tests throughput_qwen decode_roofline throughput_llama cost_qwen cost_llama cost_trained
-#        repro_trained repro_llama serve profile_qwen profile_llama prefill
+#        repro_trained repro_llama serve profile_qwen profile_qwen_det profile_llama prefill
 # Environment: REPEATS (cost_qwen, default 1), FRACTIONS (cost_*, default all), LLAMA_REQUESTS.
 # `serve` needs the server's packages, absent on the H200 image: carry them as wheels in .whl
 # (ignored by git), made here with, for each of fastapi starlette pydantic pydantic_core uvicorn
@@ -41,6 +41,7 @@ step() {
     repro_llama) run_step repro_llama 300 python3 -m sid repro --model /tmp/sid-preset-llama-3.1-8b --load-format dummy --device cuda --max-model-len 2048 --out "$RES/repro_llama" ;;
     prefill) run_step prefill 120 python3 benchmarks/prefill.py --model llama-3.1-8b --out "$RES" ;;
     profile_qwen) run_step profile_qwen 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --out "$RES" ;;
+    profile_qwen_det) run_step profile_qwen_det 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --deterministic 1.0 --out "$RES/det" ;;
     profile_llama) run_step profile_llama 200 python3 benchmarks/step_profile.py --model llama-3.1-8b --out "$RES" ;;
     *) echo "unknown step $1" ;;
   esac

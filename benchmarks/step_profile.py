@@ -7,7 +7,7 @@ missing from those). A step whose wall
 time is much longer than its kernels' is host-bound; that is what overlapping scheduling
 with the GPU would win back.
 
-    python benchmarks/step_profile.py --model qwen3-0.6b          # H200
+    python benchmarks/step_profile.py --model qwen3-0.6b [--deterministic 1.0]   # H200
     python benchmarks/step_profile.py --smoke                     # CPU, built-in model
 """
 
@@ -37,9 +37,10 @@ from sid.runtime.cuda_graphs import CUDAGraphs  # noqa: E402
 from sid.runtime.model_runner import ModelRunner  # noqa: E402
 
 
-def submit(engine: LLMEngine, requests: list[tuple[list[int], int]], tag: str) -> None:
+def submit(engine: LLMEngine, requests: list[tuple[list[int], int]], tag: str, deterministic: float = 0.0) -> None:
+    """Add the requests; the first ``deterministic`` share of them asks for determinism."""
     for i, (prompt, n) in enumerate(requests):
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, deterministic=i < deterministic * len(requests))
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
 
 
@@ -88,17 +89,19 @@ def timed_steps(engine: LLMEngine) -> list[dict[str, Any]]:
             spent.clear()
             sched = engine.scheduler
             decode = not sched.waiting and all(len(r.token_ids) - r.num_computed_tokens == 1 for r in sched.running)
+            canonical_before = engine.scheduler.stats.canonical_passes
             start = time.perf_counter()
             engine.step()
             wall = (time.perf_counter() - start) * 1e3
-            steps.append({"wall": wall, **{k: spent[k] for k in PHASES}, "decode": decode})
+            passes = engine.scheduler.stats.canonical_passes - canonical_before
+            steps.append({"wall": wall, **{k: spent[k] for k in PHASES}, "decode": decode, "canonical_passes": passes})
     return steps
 
 
 def summarise(steps: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     """Median ms per step of the wall time and of each phase."""
     row: dict[str, Any] = {"steps": kind, "count": len(steps), "total_s": sum(s["wall"] for s in steps) / 1e3}
-    for key in ("wall", *PHASES):
+    for key in ("wall", "canonical_passes", *PHASES):
         row[key] = statistics.median(s[key] for s in steps) if steps else 0.0
     return row
 
@@ -108,19 +111,20 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--deterministic", type=float, default=0.0, help="share of deterministic requests")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.smoke:
         args.requests, args.new_tokens = 8, 16
     llm = LLM(model_dir(args.model), load_format="dummy" if args.model in PRESETS else "auto",
-              max_model_len=2064 if not args.smoke else 256, enable_determinism=False)
+              max_model_len=2064 if not args.smoke else 256, enable_determinism=args.deterministic > 0)
     engine = llm.llm_engine
     high = 1024 if not args.smoke else 128
     requests = [(p, args.new_tokens) for p, _ in workload(args.requests, min(100, high), high, engine.model_config.vocab_size)]
     submit(engine, requests[:4], "warm")
     timed_steps(engine)
-    submit(engine, requests, "timed")
+    submit(engine, requests, "timed", args.deterministic)
     start = time.perf_counter()
     steps = timed_steps(engine)
     wall = time.perf_counter() - start
@@ -128,7 +132,7 @@ def main() -> None:
             summarise([s for s in steps if not s["decode"]], "with prefill"), summarise(steps, "all")]
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    submit(engine, requests, "profiled")
+    submit(engine, requests, "profiled", args.deterministic)
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         timed_steps(engine)
@@ -142,7 +146,7 @@ def main() -> None:
     busy = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
     kernel_rows = [{"kernel": k, "ms": v, "share": v / busy if busy else 0.0} for k, v in top]
-    meta = {"model": args.model, "device": str(engine.device), "wall_s": wall,
+    meta = {"model": args.model, "device": str(engine.device), "deterministic": args.deterministic, "wall_s": wall,
             "output_tok_s": args.requests * args.new_tokens / wall, "profiled_wall_s": profiled_wall,
             "gpu_busy_s": busy / 1e3, "gpu_busy_share": busy / 1e3 / profiled_wall}
     out = write_json(f"step_profile_{Path(args.model or 'default').name}",
@@ -151,7 +155,7 @@ def main() -> None:
     print(f"{args.model}: {args.requests} req x {args.new_tokens} new: {wall:.2f} s, {meta['output_tok_s']:.0f} out tok/s; "
           f"under the profiler the GPU was busy {busy / 1e3:.2f} s of {profiled_wall:.2f} s ({meta['gpu_busy_share']:.0%})")
     print("median ms per step:")
-    print(table(rows, ["steps", "count", "total_s", "wall", *PHASES]))
+    print(table(rows, ["steps", "count", "total_s", "wall", "canonical_passes", *PHASES]))
     print(f"wrote {out}")
 
 
