@@ -109,3 +109,16 @@ def test_a_decode_step_padded_to_its_bucket_matches_the_eager_step(engine: LLMEn
     assert [t.shape[0] for t in seen] == [len(chunks), 8]
     scale = float(seen[0].abs().max())
     torch.testing.assert_close(seen[1][: len(chunks)], seen[0], rtol=0, atol=1e-4 * scale)
+
+
+def test_a_decode_step_where_not_every_row_samples_keeps_the_right_rows(engine: LLMEngine) -> None:
+    """Row 0 recomputes a position without sampling: the graph's logits are gathered, not sliced."""
+    running = engine.scheduler.running
+    assert all(engine.kv.allocate(r, r.num_tokens) for r in running)
+    chunks = [ScheduledChunk(running[0], running[0].num_computed_tokens - 1, 1)]
+    chunks += [ScheduledChunk(r, r.num_computed_tokens, 1) for r in running[1:]]
+    eager = run(engine, chunks, None, canonical=False)
+    graphed = run(engine, chunks, graphs_for(engine), canonical=False)
+    assert not eager[0].samples and not graphed[0].samples
+    tokens = [[s.token_id for s in r.samples] for r in eager]
+    assert all(len(t) == 1 for t in tokens[1:]) and tokens == [[s.token_id for s in r.samples] for r in graphed]

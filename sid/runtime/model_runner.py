@@ -209,10 +209,12 @@ class ModelRunner:
         batch = self._sampling_batch(rows) if rows else None
         index = None if canonical else [row for row, _, _ in prompt_rows] + [row for row, _ in sample_rows]
         if self._graph_runs(canonical, prompt_rows, len(input_ids), len(chunks)):
+            # A decode graph computes every row's logits; keep the sampled rows (usually all).
+            gather = None if index is None or index == list(range(len(index))) else upload(self.device, [index], torch.int64)[0]
             key = self.graphs.load(input_ids, positions, *layout, canonical=canonical)  # type: ignore[union-attr]
             logits = self.graphs.replay(key)  # type: ignore[union-attr]
-            if index is not None and index != list(range(len(index))):
-                logits = logits[self._tensor(index, torch.int64)]
+            if gather is not None:
+                logits = logits[gather]
             elif index is not None:
                 logits = logits[: len(index)]
         else:
