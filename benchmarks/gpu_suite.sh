@@ -33,7 +33,7 @@ step() {
     throughput_llama) run_step throughput_llama 200 python3 benchmarks/throughput.py --model llama-3.1-8b --out "$RES" ;;
     decode_roofline) run_step decode_roofline 200 python3 benchmarks/decode_roofline.py --model llama-3.1-8b --out "$RES" ;;
     cost_qwen) run_step cost_qwen 400 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --repeats "${REPEATS:-1}" $FRAC --out "$RES/qwen" ;;
-    cost_llama) run_step cost_llama 300 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --requests "${LLAMA_REQUESTS:-128}" --repeats "${REPEATS:-1}" $FRAC --out "$RES/llama" ;;
+    cost_llama) run_step cost_llama 580 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --requests "${LLAMA_REQUESTS:-256}" --repeats "${REPEATS:-1}" $FRAC --out "$RES/llama" ;;
     cost_trained) run_step cost_trained 200 python3 benchmarks/determinism_cost.py --model "$TRAINED" --max-len 400 --repeats 1 $FRAC --out "$RES/trained" ;;
     repro_trained) run_step repro_trained 200 python3 -m sid repro --model "$TRAINED" --device cuda --out "$RES/repro_trained" ;;
     serve) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
