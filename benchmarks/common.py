@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {
@@ -68,6 +72,21 @@ def workload(n: int, low: int, high: int, vocab: int, seed: int = 0) -> list[tup
     return [
         ([rng.randrange(vocab) for _ in range(rng.randint(low, high))], rng.randint(low, high)) for _ in range(n)
     ]
+
+
+def cuda_time(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds of ``fn()`` on the GPU, timed with CUDA events after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
 
 
 def write_json(name: str, data: dict[str, Any], out: str | None) -> Path:

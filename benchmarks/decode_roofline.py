@@ -11,7 +11,6 @@ Combinations whose K/V does not fit in the engine's pool are reported as skipped
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PRESETS, model_dir, table, write_json  # noqa: E402
+from common import PRESETS, cuda_time, model_dir, table, write_json  # noqa: E402
 
 from sid import LLM  # noqa: E402
 from sid.engine.kv_cache import cdiv  # noqa: E402
@@ -28,29 +27,7 @@ from sid.engine.kv_cache import cdiv  # noqa: E402
 def read_bandwidth(gib: float = 4.0) -> float:
     """Bytes per second of a ``sum`` over a large bf16 tensor (median of 20)."""
     x = torch.randn(int(gib * 2**30 / 2), dtype=torch.bfloat16, device="cuda")
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        x.sum()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return x.numel() * 2 / statistics.median(times)
-
-
-def time_replay(graphs, bucket: int, iters: int = 30) -> float:  # noqa: ANN001 - DecodeGraphs
-    for _ in range(3):
-        graphs.replay(bucket)
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graphs.replay(bucket)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return x.numel() * 2 / cuda_time(x.sum)
 
 
 def main() -> None:
@@ -84,7 +61,7 @@ def main() -> None:
             tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
             slots = [t[(ctx - 1) // bs] * bs + (ctx - 1) % bs for t in tables]
             bucket = graphs.load([1] * b, [ctx - 1] * b, slots, tables, [ctx] * b)
-            seconds = time_replay(graphs, bucket)
+            seconds = cuda_time(lambda: graphs.replay(bucket), iters=30)
             floor = (weight_bytes + b * ctx * kv_token_bytes) / bw
             rows.append({"batch": b, "context": ctx, "step_ms": seconds * 1e3, "floor_ms": floor * 1e3,
                          "of_floor": floor / seconds, "tok_s": b / seconds, "status": "ok"})

@@ -12,7 +12,6 @@ plus causal attention's (2 x 2 x tokens x context / 2 x heads x head_dim per lay
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,26 +19,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PRESETS, model_dir, table, write_json  # noqa: E402
+from common import PRESETS, cuda_time, model_dir, table, write_json  # noqa: E402
 
 from sid import LLM, SamplingParams  # noqa: E402
 from sid.engine.request import Request  # noqa: E402
 from sid.engine.scheduler import ScheduledChunk  # noqa: E402
 
 
-def cuda_time(fn, iters: int = 20) -> float:  # noqa: ANN001 - any callable
-    """Median seconds of ``fn()`` on the GPU."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+def matmul_rate(n: int = 8192) -> float:
+    """FLOP/s of a bf16 ``n``^3 matmul, measured now (these machines vary)."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    return 2 * n**3 / cuda_time(lambda: a @ a)
 
 
 def main() -> None:
@@ -49,9 +39,7 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    peak = 2 * 8192**3 / cuda_time(lambda: a @ a)
-    del a
+    peak = matmul_rate()
     llm = LLM(model_dir(args.model), load_format="dummy" if args.model in PRESETS else "auto",
               max_model_len=args.tokens + 16, max_num_batched_tokens=args.tokens, enable_determinism=False)
     engine = llm.llm_engine
