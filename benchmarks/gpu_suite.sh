@@ -2,7 +2,7 @@
 # Everything Sid checks and measures on the H200, in one device call.
 #   usage (device tool, carry .carry): bash benchmarks/gpu_suite.sh [STEP ...]
 # Steps: tests throughput_qwen decode_roofline throughput_llama cost_qwen cost_llama cost_trained
-#        repro_trained repro_llama serve profile_qwen profile_qwen_det profile_llama prefill
+#        repro_trained repro_llama serve profile_qwen profile_qwen_lockstep profile_qwen_det profile_llama prefill
 # Environment: REPEATS (cost_qwen, default 1), FRACTIONS (cost_*, default all), LLAMA_REQUESTS.
 # `serve` needs the server's packages, absent on the H200 image: carry them as wheels in .whl
 # (ignored by git), made here with, for each of fastapi starlette pydantic pydantic_core uvicorn
@@ -24,13 +24,15 @@ run_step() {
   local rc=$?
   echo "=== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$RES/summary.txt"
   tail -n 16 "$RES/$name.log" >> "$RES/summary.txt"
+  # After every step, so a call cut short by its time limit still brings back what ran.
+  tar czf "$OUT/results.tar.gz" -C "$RES" . && cp "$RES/summary.txt" "$OUT/summary.txt"
 }
 
 step() {
   case $1 in
-    tests) run_step tests 300 python3 -m pytest -q tests/test_gpu.py tests/test_kernels.py tests/test_layer_kernels.py ;;
-    throughput_qwen) run_step throughput_qwen 200 python3 benchmarks/throughput.py --model qwen3-0.6b --peer --out "$RES" ;;
-    throughput_llama) run_step throughput_llama 200 python3 benchmarks/throughput.py --model llama-3.1-8b --out "$RES" ;;
+    tests) run_step tests 240 python3 -m pytest -q tests/test_gpu.py tests/test_kernels.py tests/test_layer_kernels.py ;;
+    throughput_qwen) run_step throughput_qwen 200 python3 benchmarks/throughput.py --model qwen3-0.6b --peer --lockstep --out "$RES" ;;
+    throughput_llama) run_step throughput_llama 200 python3 benchmarks/throughput.py --model llama-3.1-8b --lockstep --out "$RES" ;;
     decode_roofline) run_step decode_roofline 200 python3 benchmarks/decode_roofline.py --model llama-3.1-8b --out "$RES" ;;
     cost_qwen) run_step cost_qwen 400 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --repeats "${REPEATS:-1}" $FRAC --out "$RES/qwen" ;;
     cost_llama) run_step cost_llama 580 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --requests "${LLAMA_REQUESTS:-256}" --repeats "${REPEATS:-1}" $FRAC --out "$RES/llama" ;;
@@ -38,9 +40,10 @@ step() {
     repro_trained) run_step repro_trained 200 python3 -m sid repro --model "$TRAINED" --device cuda --out "$RES/repro_trained" ;;
     serve) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
       export PYTHONPATH=$PYTHONPATH:/tmp/site && run_step serve 400 python3 benchmarks/serve.py --model llama-3.1-8b --out "$RES" ;;
-    repro_llama) run_step repro_llama 300 python3 -m sid repro --model /tmp/sid-preset-llama-3.1-8b --load-format dummy --device cuda --max-model-len 2048 --out "$RES/repro_llama" ;;
+    repro_llama) run_step repro_llama 300 python3 -m sid repro --model /tmp/sid-preset-llama-3.1-8b --load-format dummy --device cuda --max-model-len 2048 --max-tokens 32 --long-prompt 512 --out "$RES/repro_llama" ;;
     prefill) run_step prefill 120 python3 benchmarks/prefill.py --model llama-3.1-8b --out "$RES" ;;
     profile_qwen) run_step profile_qwen 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --out "$RES" ;;
+    profile_qwen_lockstep) run_step profile_qwen_lockstep 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --no-async-scheduling --out "$RES/lockstep" ;;
     profile_qwen_det) run_step profile_qwen_det 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --deterministic 1.0 --out "$RES/det" ;;
     profile_llama) run_step profile_llama 200 python3 benchmarks/step_profile.py --model llama-3.1-8b --out "$RES" ;;
     *) echo "unknown step $1" ;;

@@ -46,15 +46,17 @@ def submit(engine: LLMEngine, requests: list[tuple[list[int], int]], tag: str, d
 
 PHASES: dict[str, tuple[type, str]] = {
     "schedule": (Scheduler, "schedule"),
-    "runner": (ModelRunner, "execute"),
+    "launch": (ModelRunner, "launch"),
     "layout": (ModelRunner, "_layout"),
     "graph_load": (CUDAGraphs, "load"),
     "graph_replay": (CUDAGraphs, "replay"),
-    "sample_and_sync": (ModelRunner, "_sample"),
     "sampling_batch": (ModelRunner, "_sampling_batch"),
+    "collect": (ModelRunner, "collect"),
+    "apply": (LLMEngine, "_apply"),
 }
-"""Host-side phases timed per step (wall ms of each call; the sampled tokens' host sync
-falls in ``sample_and_sync``, so GPU time the host waits for shows up there)."""
+"""Host-side phases timed per step (wall ms of each call). ``collect`` holds the wait for
+the sampled tokens, so GPU time the host waits for shows up there; with overlapped
+scheduling it is the previous step's tokens, waited for after this step was launched."""
 
 
 @contextmanager
@@ -112,13 +114,16 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--deterministic", type=float, default=0.0, help="share of deterministic requests")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="overlap the host's work with the GPU's (default: the engine's default)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.smoke:
         args.requests, args.new_tokens = 8, 16
     llm = LLM(model_dir(args.model), load_format="dummy" if args.model in PRESETS else "auto",
-              max_model_len=2064 if not args.smoke else 256, enable_determinism=args.deterministic > 0)
+              max_model_len=2064 if not args.smoke else 256, enable_determinism=args.deterministic > 0,
+              async_scheduling=args.async_scheduling)
     engine = llm.llm_engine
     high = 1024 if not args.smoke else 128
     requests = [(p, args.new_tokens) for p, _ in workload(args.requests, min(100, high), high, engine.model_config.vocab_size)]
@@ -146,13 +151,15 @@ def main() -> None:
     busy = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
     kernel_rows = [{"kernel": k, "ms": v, "share": v / busy if busy else 0.0} for k, v in top]
-    meta = {"model": args.model, "device": str(engine.device), "deterministic": args.deterministic, "wall_s": wall,
+    meta = {"model": args.model, "device": str(engine.device), "deterministic": args.deterministic,
+            "async_scheduling": engine.async_scheduling, "wall_s": wall,
             "output_tok_s": args.requests * args.new_tokens / wall, "profiled_wall_s": profiled_wall,
             "gpu_busy_s": busy / 1e3, "gpu_busy_share": busy / 1e3 / profiled_wall}
     out = write_json(f"step_profile_{Path(args.model or 'default').name}",
                      {**meta, "rows": rows, "kernels": kernel_rows, "steps": steps}, args.out)
     print(table(kernel_rows, ["kernel", "ms", "share"]))
-    print(f"{args.model}: {args.requests} req x {args.new_tokens} new: {wall:.2f} s, {meta['output_tok_s']:.0f} out tok/s; "
+    overlap = "overlapped" if engine.async_scheduling else "lockstep"
+    print(f"{args.model} ({overlap}): {args.requests} req x {args.new_tokens} new: {wall:.2f} s, {meta['output_tok_s']:.0f} out tok/s; "
           f"under the profiler the GPU was busy {busy / 1e3:.2f} s of {profiled_wall:.2f} s ({meta['gpu_busy_share']:.0%})")
     print("median ms per step:")
     print(table(rows, ["steps", "count", "total_s", "wall", "canonical_passes", *PHASES]))

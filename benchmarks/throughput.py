@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--peer-requests", type=int, default=64)
     ap.add_argument("--peer-tokens", type=int, default=128)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="also run the full workload without overlapped scheduling, on the same engine")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -78,20 +80,27 @@ def main() -> None:
     engine = llm.llm_engine
     requests = workload(args.requests, args.min_len, args.max_len, engine.model_config.vocab_size)
     sid_run(llm, requests[:8])  # warm-up
-    rows = [{"engine": "sid", "workload": f"{args.requests} req", **sid_run(llm, requests)}]
+    overlap = "sid" if engine.async_scheduling else "sid (lockstep)"
+    rows = [{"engine": overlap, "workload": f"{args.requests} req", **sid_run(llm, requests)}]
+    if args.lockstep and engine.async_scheduling:
+        engine.async_scheduling = False
+        rows.append({"engine": "sid (lockstep)", "workload": f"{args.requests} req", **sid_run(llm, requests)})
+        rows[-1]["overlap_gain"] = rows[0]["output_tok_s"] / rows[-1]["output_tok_s"]
+        engine.async_scheduling = True
     subset = [(p, args.peer_tokens) for p, _ in requests[: args.peer_requests]]
-    rows.append({"engine": "sid", "workload": f"{len(subset)} req x {args.peer_tokens} new", **sid_run(llm, subset)})
+    rows.append({"engine": overlap, "workload": f"{len(subset)} req x {args.peer_tokens} new", **sid_run(llm, subset)})
     if args.peer:
         peer = peer_run(engine.config.model, subset, args.peer_tokens, str(engine.device))
+        rows[-1]["ratio_to_peer"] = rows[-1]["output_tok_s"] / peer["output_tok_s"]
         rows.append({"engine": "transformers", "workload": f"{len(subset)} req x {args.peer_tokens} new", **peer})
-        rows[1]["ratio_to_peer"] = rows[1]["output_tok_s"] / peer["output_tok_s"]
     meta = {"model": args.model, "device": str(engine.device), "dtype": str(engine.dtype),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "kv_blocks": engine.kv.pool.num_blocks, "cuda_graphs": engine.runner.graphs is not None,
+            "async_scheduling": engine.async_scheduling,
             "stats": engine.get_stats()}
     out = write_json(f"throughput_{Path(args.model or 'default').name}", {**meta, "rows": rows}, args.out)
     print(f"{args.model or engine.config.model} on {meta['gpu'] or meta['device']} ({meta['dtype']}), {meta['kv_blocks']} KV blocks")
-    print(table(rows, ["engine", "workload", "seconds", "output_tok_s", "total_tok_s", "ratio_to_peer"]))
+    print(table(rows, ["engine", "workload", "seconds", "output_tok_s", "total_tok_s", "overlap_gain", "ratio_to_peer"]))
     print(f"wrote {out}")
 
 

@@ -33,6 +33,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
     enforce_eager: bool = False
+    async_scheduling: bool | None = None
+    """Plan and launch step N+1 while the GPU runs step N; None = on for one CUDA device."""
     load_format: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
@@ -56,6 +58,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.canonical_rows is not None and self.canonical_rows < 1:
             raise ValueError(f"canonical_rows must be >= 1, got {self.canonical_rows}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size=1: the workers would need the sampled tokens")
         if self.verify_window < 1:
             raise ValueError(f"verify_window must be >= 1, got {self.verify_window}")
 
@@ -70,6 +74,13 @@ class EngineConfig:
     def canonical_rows_for(self, device: torch.device) -> int:
         """``M_canon``: 128 rows on a GPU (a pass costs about one decode step), 32 on a CPU."""
         return self.canonical_rows or (128 if device.type == "cuda" else 32)
+
+    def async_scheduling_for(self, device: torch.device) -> bool:
+        """Overlap pays only where kernels run asynchronously to the host; under tensor
+        parallelism the workers would need the sampled tokens too, so it stays off there."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return device.type == "cuda" and self.tensor_parallel_size == 1
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

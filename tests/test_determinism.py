@@ -168,6 +168,7 @@ SETTINGS = [
     dict(verify_window=3),
     dict(max_num_batched_tokens=7),
     dict(block_size=8),
+    dict(async_scheduling=True),
 ]
 
 

@@ -22,7 +22,7 @@ PROMPTS = ["def main(", "import numpy as np\n", "class Config:\n    def __init__
 
 def decoding_engine(trained_model: Path) -> LLM:
     """An engine whose requests have finished their prompts and are decoding."""
-    llm = LLM(str(trained_model), max_num_seqs=64, enable_determinism=False)
+    llm = LLM(str(trained_model), max_num_seqs=64, enable_determinism=False, async_scheduling=False)
     engine = llm.llm_engine
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
@@ -124,3 +124,24 @@ def test_engine_logprobs_match_transformers_in_bf16(trained_model: Path, determi
         got += [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
         assert len(got) == len(want)
         assert max(abs(a - b) for a, b in zip(got, want)) < 0.1, (got, want)
+
+
+def test_overlapped_scheduling_gives_the_lockstep_outputs(trained_model: Path) -> None:
+    """The device-side token feed through CUDA graphs, pinned copies and one-step-late results:
+    the trained model's confident tokens, stop strings, logprobs and penalties come out as in lockstep."""
+    from tests.test_async_scheduling import run
+
+    lockstep, _ = run(trained_model, False, gpu_memory_utilization=0.3)
+    overlapped, llm = run(trained_model, True, gpu_memory_utilization=0.3)
+    assert llm.llm_engine.async_scheduling and llm.llm_engine.runner.graphs is not None
+    assert overlapped == lockstep
+
+
+def test_overlapped_deterministic_request_has_the_lockstep_bits_under_load(trained_model: Path) -> None:
+    det = SamplingParams(max_tokens=48, temperature=0.8, seed=3, logprobs=2, ignore_eos=True, deterministic=True)
+    crowd = [SamplingParams(max_tokens=20 + 7 * i, temperature=1.0, seed=i, ignore_eos=True) for i in range(12)]
+    alone = LLM(str(trained_model), async_scheduling=False, gpu_memory_utilization=0.3).generate(PROMPTS[2], det, use_tqdm=False)[0]
+    llm = LLM(str(trained_model), async_scheduling=True, gpu_memory_utilization=0.3)
+    outs = llm.generate([*PROMPTS, PROMPTS[2], *PROMPTS * 2][:13], [*crowd[:5], det, *crowd[5:]], use_tqdm=False)
+    loaded = outs[5].outputs[0]
+    assert (loaded.token_ids, loaded.logprobs) == (alone.outputs[0].token_ids, alone.outputs[0].logprobs)

@@ -56,8 +56,7 @@ def test_prefix_hits_need_same_tokens_domain_and_salt() -> None:
     first = make_request("a", list(range(10)))
     assert kv.find_cached_prefix(first) == []
     assert kv.allocate(first, 10)
-    first.num_computed_tokens = 10
-    kv.cache_full_blocks(first)  # two full blocks (8 tokens) registered; the partial one is not
+    kv.cache_full_blocks(first, 10)  # two full blocks (8 tokens) registered; the partial one is not
     assert kv.pool.num_cached() == 2
     same = make_request("b", list(range(10)) + [99])
     assert [b.block_id for b in kv.find_cached_prefix(same)] == kv.block_ids(first)[:2]
@@ -83,7 +82,7 @@ def test_truncate_drops_tail_blocks_and_refuses_to_cut_cached_blocks() -> None:
     r = make_request("a", list(range(14)))
     assert kv.allocate(r, 14)
     r.num_computed_tokens = 14
-    kv.cache_full_blocks(r)  # blocks 0..2 registered
+    kv.cache_full_blocks(r, 14)  # blocks 0..2 registered
     kv.truncate(r, 13)  # inside the partial last block: allowed
     assert len(kv.blocks_of(r)) == 4 and r.num_computed_tokens == 13
     kv.truncate(r, 12)  # exactly at a block boundary: the last block goes back to the pool

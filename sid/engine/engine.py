@@ -7,7 +7,7 @@ import logging
 import random
 import weakref
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from sid.engine.fingerprint import numerics_fingerprint, processor, source_diges
 from sid.engine.kv_cache import KVCacheManager, PrefixCacheStats, cdiv
 from sid.engine.request import Request, RequestStatus
 from sid.engine.router import RequestContext, Router, RouterPolicy
-from sid.engine.scheduler import CPU_COST, GPU_COST, ScheduledChunk, Scheduler
+from sid.engine.scheduler import CPU_COST, GPU_COST, ScheduledChunk, Scheduler, StepPlan
 from sid.engine.selftest import self_test
 from sid.model.config import CheckpointError, ModelConfig
 from sid.model.decoder import Shard
@@ -28,7 +28,7 @@ from sid.model.loader import build_model
 from sid.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from sid.runtime.attention import PagedKVCache, get_backend
 from sid.runtime.cuda_graphs import CUDAGraphs
-from sid.runtime.model_runner import ChunkResult, ModelRunner, SampledToken
+from sid.runtime.model_runner import ChunkResult, LaunchedPass, ModelRunner, SampledToken, TokenFeed, placeholder
 from sid.runtime.tp_worker import TPWorkers, WorkerSpec
 from sid.sampling_params import RequestOutputKind, SamplingParams
 
@@ -166,6 +166,9 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._seed_rng = random.Random(config.seed)
         self._arrivals = 0
+        self._steps = 0
+        self._in_flight: StepInFlight | None = None
+        self.async_scheduling = config.async_scheduling_for(self.device)
         if config.enable_determinism:
             self_test(self.runner, self.kv, self.canonical_domain, self.max_model_len)
             self.kv.stats = PrefixCacheStats()
@@ -378,7 +381,8 @@ class LLMEngine:
                 self._detok.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests queued or running, or a launched step whose results are still to be read."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished()
@@ -403,19 +407,24 @@ class LLMEngine:
     # --------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the requests that progressed (cumulative outputs)."""
+        """Run one scheduled step; return the requests that progressed (cumulative outputs).
+
+        With overlapped scheduling the step is launched before the previous one's results
+        are read, and it returns those: the host plans step N+1 while the GPU runs step N.
+        """
         plan = self.scheduler.schedule()
         progressed: dict[str, Request] = {}
-        passes = [(chunks, True) for chunks in plan.canonical] + ([(plan.fast, False)] if plan.fast else [])
-        for planned, canonical in passes:
-            chunks = [c for c in planned if self._still_valid(c, canonical)]
-            if not chunks:
-                continue
-            block_ids = [self.kv.block_ids(c.request) for c in chunks]
-            results = self.runner.execute(chunks, block_ids, canonical=canonical)
-            for chunk, result in zip(chunks, results):
-                if self._apply(chunk, result, canonical):
-                    progressed[chunk.request.request_id] = chunk.request
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and any(c.request.params.uses_penalties for c in plan.chunks):
+            self._finish(previous, progressed)  # penalties count the previous step's tokens on the host
+            previous = None
+        launched = self._launch(plan, previous)
+        if previous is not None:
+            self._finish(previous, progressed)
+        if self.async_scheduling and launched.passes:
+            self._in_flight = launched
+        else:
+            self._finish(launched, progressed)
         outputs = []
         for request in progressed.values():
             if request.finished:
@@ -427,45 +436,86 @@ class LLMEngine:
                 self._detok.pop(request.request_id, None)
         return outputs
 
-    @staticmethod
-    def _still_valid(chunk: ScheduledChunk, canonical: bool) -> bool:
-        """False for the rest of a window split across passes once an earlier pass of the
-        step rolled it back or finished its request."""
+    def _launch(self, plan: StepPlan, previous: StepInFlight | None) -> StepInFlight:
+        """Queue every pass of ``plan`` (canonical ones first) and advance the requests'
+        counters as if they had run: a placeholder stands for each token still to arrive."""
+        self._steps += 1
+        launched = StepInFlight(self._steps)
+        feed = previous.feed() if previous is not None else None
+        passes = [(chunks, True) for chunks in plan.canonical] + ([(plan.fast, False)] if plan.fast else [])
+        for planned, canonical in passes:
+            chunks = [c for c in planned if self._still_valid(c, canonical)]
+            if not chunks:
+                continue
+            block_ids = [self.kv.block_ids(c.request) for c in chunks]
+            handle = self.runner.launch(chunks, block_ids, canonical=canonical, feed=feed)
+            offset = launched.num_tokens
+            planned_under = []
+            for chunk, row in zip(chunks, handle.token_rows):
+                request = chunk.request
+                request.num_computed_tokens = max(request.num_computed_tokens, chunk.end)
+                if canonical and request.deterministic:
+                    request.n_canon = chunk.end
+                takes = row is not None and chunk.end == request.num_tokens and request.num_output_tokens < request.max_tokens
+                if takes:
+                    request.token_ids.append(placeholder(launched.step, offset + row))  # type: ignore[operator]
+                planned_under.append(Planned(request.epoch, takes))
+            launched.add(handle, planned_under)
+        return launched
+
+    def _finish(self, launched: StepInFlight, progressed: dict[str, Request]) -> None:
+        """Wait for a launched step's passes and fold their results into the requests."""
+        for handle, planned in zip(launched.passes, launched.planned):
+            results = self.runner.collect(handle)
+            for chunk, result, under in zip(handle.chunks, results, planned):
+                request = chunk.request
+                if request.finished or request.epoch != under.epoch:
+                    continue  # aborted, finished, rolled back or preempted since the launch
+                if self._apply(chunk, result, handle.canonical, under.takes_token):
+                    progressed[request.request_id] = request
+
+    def _still_valid(self, chunk: ScheduledChunk, canonical: bool) -> bool:
+        """False once results read after planning voided the chunk: its request finished, was
+        rolled back below it, or lost the blocks it writes."""
         request = chunk.request
         if request.finished or chunk.end > request.num_tokens:
             return False
+        if len(self.kv.blocks_of(request)) * self.kv.block_size < chunk.end:
+            return False
         return not (canonical and request.deterministic and chunk.start != request.n_canon)
 
-    def _apply(self, chunk: ScheduledChunk, result: ChunkResult, canonical: bool) -> bool:
+    def _apply(self, chunk: ScheduledChunk, result: ChunkResult, canonical: bool, takes_token: bool) -> bool:
         """Fold one chunk's results into its request; True if it emitted a token or finished."""
         request = chunk.request
-        request.num_computed_tokens = max(request.num_computed_tokens, chunk.end)
         if request.prompt_logprobs is not None and result.prompt_logprobs:
             request.prompt_logprobs.extend(self._decorate(e) for e in result.prompt_logprobs)
         emitted = request.num_emitted
+        cacheable = chunk.end
         if request.deterministic and canonical:
-            self._verify(request, result.samples)
-        elif request.deterministic:
-            for sampled in result.samples:  # a proposal: it waits for verification
-                request.token_ids.append(sampled.token_id)
-                self.stats.proposed_tokens += 1
-        elif result.samples and chunk.samples:
+            cacheable = self._verify(request, result.samples)
+        elif takes_token:  # the chunk's last row chose the token its placeholder stands for
             last = result.samples[-1]
-            request.token_ids.append(last.token_id)
-            self._emit(request, last.logprobs)
-        if chunk.samples and request.max_tokens == 0 and not request.wants_prompt_logprobs:
+            _fill(request, last.position + 1, last.token_id)
+            if request.deterministic:
+                self.stats.proposed_tokens += 1  # it waits for verification
+                cacheable = 0
+            else:
+                self._emit(request, last.logprobs)
+        elif request.deterministic:
+            cacheable = 0
+        if chunk.end == request.num_tokens and request.max_tokens == 0 and not request.wants_prompt_logprobs:
             request.status = RequestStatus.FINISHED_LENGTH
-        self.kv.cache_full_blocks(request)
+        self.kv.cache_full_blocks(request, cacheable)
         return request.num_emitted > emitted or request.finished
 
-    def _verify(self, request: Request, samples: list[SampledToken]) -> None:
-        """Compare canonical tokens with what the request holds; commit, or roll back (DESIGN 3.4)."""
-        proposals = request.num_proposals
-        if proposals:
-            self.stats.verifications += 1
+    def _verify(self, request: Request, samples: list[SampledToken]) -> int:
+        """Compare canonical tokens with what the request holds; commit, or roll back (DESIGN 3.4).
+        Returns how many leading positions now have canonical K/V."""
+        verified = False
+        canonical = request.n_canon
         for sampled in samples:
             nxt = sampled.position + 1
-            request.n_canon = nxt  # the row's K/V is canonical now
+            canonical = nxt  # the row's K/V is canonical now
             if nxt < request.num_committed_tokens:
                 if nxt >= request.num_prompt_tokens and request.token_ids[nxt] != sampled.token_id:
                     raise RuntimeError(
@@ -475,19 +525,27 @@ class LLMEngine:
                 continue
             if request.max_tokens == 0:
                 break
-            rollback = nxt < request.num_tokens and request.token_ids[nxt] != sampled.token_id
+            held = request.token_ids[nxt]
+            rollback = held >= 0 and held != sampled.token_id
+            if held >= 0 and not verified:
+                verified = True
+                self.stats.verifications += 1
             if rollback:
                 self.stats.rollbacks += 1
                 self.stats.recomputed_tokens += request.num_tokens - nxt
-                del request.token_ids[nxt:]
+                del request.token_ids[nxt + 1 :]
+                request.token_ids[nxt] = sampled.token_id
                 self.kv.truncate(request, nxt)  # later rows of this pass read the wrong tokens
-            if nxt == request.num_tokens:
-                request.token_ids.append(sampled.token_id)
+                request.n_canon = nxt
+                request.epoch += 1  # passes launched since read the wrong tokens too
+            elif held < 0:
+                _fill(request, nxt, sampled.token_id)
             else:
                 self.stats.accepted_tokens += 1
             self._emit(request, sampled.logprobs)
             if rollback or request.finished:
                 break
+        return canonical
 
     def _emit(self, request: Request, logprobs: PositionLogprobs | None) -> None:
         """Commit the next held token to the output, then check the stop conditions."""
@@ -539,6 +597,44 @@ class LLMEngine:
             deterministic=request.deterministic,
             fingerprint=self.fingerprint,
         )
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A launched chunk's request as it was: its epoch, and whether a placeholder awaits the
+    chunk's last token."""
+
+    epoch: int
+    takes_token: bool
+
+
+@dataclass
+class StepInFlight:
+    """One step's launched passes, in launch order, with the request epochs they ran under."""
+
+    step: int
+    passes: list[LaunchedPass] = field(default_factory=list)
+    planned: list[list[Planned]] = field(default_factory=list)  # per pass, per chunk
+    num_tokens: int = 0
+    """Rows sampled so far: where the next pass's tokens start in ``feed``."""
+
+    def add(self, handle: LaunchedPass, planned: list[Planned]) -> None:
+        self.passes.append(handle)
+        self.planned.append(planned)
+        if handle.tokens is not None:
+            self.num_tokens += handle.tokens.numel()
+
+    def feed(self) -> TokenFeed | None:
+        """Every pass's sampled tokens, on the device, for the next step's placeholders."""
+        tokens = [p.tokens for p in self.passes if p.tokens is not None]
+        return TokenFeed(torch.cat(tokens), self.step) if tokens else None
+
+
+def _fill(request: Request, index: int, token: int) -> None:
+    """Put a sampled token where the launch of its pass left a placeholder."""
+    if request.token_ids[index] >= 0:
+        raise RuntimeError(f"{request.request_id}: position {index} holds a token, not a placeholder")
+    request.token_ids[index] = token
 
 
 @dataclass

@@ -174,12 +174,13 @@ class KVCacheManager:
         blocks.extend(self.pool.allocate(max(0, cdiv(upto, self.block_size) - len(blocks))))
         return True
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's blocks that are full and whose K/V is final."""
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that are full within its first ``num_tokens``
+        positions, whose K/V the caller knows is final (for a deterministic request: canonical)."""
         if not self.enable_prefix_caching:
             return
         blocks = self.blocks_of(request)
-        num_full = min(request.num_cacheable_tokens // self.block_size, len(blocks))
+        num_full = min(num_tokens // self.block_size, len(blocks))
         done = self._registered.get(request.request_id, 0)
         if num_full <= done:
             return

@@ -33,6 +33,10 @@ class Request:
     canonical (DESIGN 3.4). Its committed tokens are ``token_ids[: n_canon + 1]`` once the
     prompt is canonical; anything after them is a fast-lane proposal awaiting verification.
     ``num_emitted`` counts the output tokens committed and handed to the user.
+
+    Counters run ahead of results: launching a pass advances ``num_computed_tokens`` (and
+    ``n_canon``) and appends a negative placeholder for each token it will sample, which
+    the pass's results replace (``sid.runtime.model_runner.placeholder``).
     """
 
     request_id: str
@@ -53,6 +57,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    epoch: int = 0
+    """Bumped when work already launched for the request became void (a rollback, a
+    preemption): results of passes launched under an older epoch are dropped."""
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     logprobs: list[PositionLogprobs] | None = None
@@ -94,6 +101,12 @@ class Request:
         return self.num_tokens - self.num_committed_tokens
 
     @property
+    def num_unverified(self) -> int:
+        """Held tokens past the one after the canonical prefix: proposals no canonical pass
+        has been launched to verify yet (equal to ``num_proposals`` between steps)."""
+        return self.num_tokens - self.n_canon - 1
+
+    @property
     def needs_canonical_rows(self) -> bool:
         """Positions below the committed tail lack canonical K/V (prompt, or recompute)."""
         return self.deterministic and self.n_canon < self.num_committed_tokens - 1
@@ -111,11 +124,6 @@ class Request:
     def may_read_prefix_cache(self) -> bool:
         """Prompt logprobs need logits at every prompt position, so such requests compute all."""
         return self.prompt_logprobs is None
-
-    @property
-    def num_cacheable_tokens(self) -> int:
-        """Leading tokens whose K/V is final and may be shared through the prefix cache."""
-        return self.n_canon if self.deterministic else self.num_computed_tokens
 
     def cache_keys(self) -> tuple[str, ...]:
         """Extra keys of this request's block hashes: numerics domain and cache salt."""

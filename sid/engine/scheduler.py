@@ -161,20 +161,28 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.n_canon = 0
         request.num_preemptions += 1
+        request.epoch += 1
         self.waiting.appendleft(request)
         self.stats.preemptions += 1
 
     def must_verify(self, request: Request) -> bool:
         """The window is full, or the last proposal would end generation."""
-        return request.num_proposals >= self.verify_window or (
-            request.num_proposals > 0
+        unverified = request.num_unverified
+        return unverified >= self.verify_window or (
+            unverified > 0
             and (request.num_output_tokens >= request.max_tokens or request.token_ids[-1] in request.stop_token_set)
         )
 
-    def _demand(self, request: Request, budget: int) -> _Demand:
+    def _demand(self, request: Request, budget: int) -> _Demand | None:
+        """None when nothing is left to compute: the last pass launched for the request ends
+        it, and its results are not in yet (overlapped scheduling)."""
         if not request.deterministic:
             start = request.num_computed_tokens
+            if start >= request.num_tokens:
+                return None
             return _Demand(fast=ScheduledChunk(request, start, min(request.num_tokens - start, budget)))
+        if request.n_canon >= request.num_tokens:
+            return None
         canonical = ScheduledChunk(request, request.n_canon, min(request.num_tokens - request.n_canon, budget))
         if request.needs_canonical_rows or self.must_verify(request):
             return _Demand(canonical=canonical, required=True)
@@ -193,6 +201,8 @@ class Scheduler:
             if id(request) in preempted:  # preempted below to make room for an earlier one
                 continue
             demand = self._demand(request, budget)
+            if demand is None:
+                continue
             while not self.kv.allocate(request, demand.upto):
                 victim = self.running[-1]
                 if id(victim) in planned:  # never undo work already planned this step
@@ -221,6 +231,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             demand = self._demand(request, budget)
+            assert demand is not None  # a waiting request has its last token left at least
             demands.append(demand)
             budget -= demand.rows
         self._assign_lanes(plan, demands)

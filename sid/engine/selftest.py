@@ -113,7 +113,7 @@ class SelfTest:
         assert kv.allocate(first, half)
         self.run(first, 0, half, lambda i: m, lambda i: 0)
         first.n_canon = first.num_computed_tokens = half
-        kv.cache_full_blocks(first)
+        kv.cache_full_blocks(first, half)
         second = self.request(self.probe)
         cached = kv.find_cached_prefix(second)
         kv.free(first)

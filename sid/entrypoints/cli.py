@@ -28,13 +28,17 @@ def _add_engine_args(p: argparse.ArgumentParser, model_option: bool = True) -> N
     p.add_argument("--verify-window", type=int, default=8)
     p.add_argument("--determinism-strategy", default="auto", choices=["auto", "speculate", "direct", "whole"])
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="plan step N+1 while the GPU runs step N (default: on for one CUDA device)",
+    )
 
 
 _ENGINE_FIELDS = (
     "device", "dtype", "max_model_len", "load_format", "enforce_eager", "tensor_parallel_size",
     "gpu_memory_utilization", "num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
     "enable_prefix_caching", "enable_determinism", "canonical_rows", "verify_window", "determinism_strategy",
-    "attention_backend",
+    "attention_backend", "async_scheduling",
 )
 
 

@@ -6,6 +6,10 @@ exactly ``canonical_rows`` rows (padding rows write nothing), runs the final nor
 head and sampling on every row, and attends with the canonical schedule, so each row's
 result is a function of its own request and position alone.
 
+``launch`` queues a pass and its sampling without waiting for the GPU; ``collect`` waits for
+the sampled tokens, copied to pinned host memory, and hands them out. Between the two the
+engine can plan and launch the next step (overlapped scheduling).
+
 Under tensor parallelism this runner is rank 0's: it turns chunks into a ``StepInputs``
 (token ids and cache layout only), which every rank's ``forward`` runs, and it alone
 samples. The workers' runners only ever run ``forward``.
@@ -67,6 +71,83 @@ class ChunkResult:
     samples: list[SampledToken] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
     logits: torch.Tensor | None = None  # canonical rows' logits, when asked for (self-test)
+
+
+PLACEHOLDER_STRIDE = 1 << 24
+"""Placeholder ids of one step: ``-1 - (step * PLACEHOLDER_STRIDE + index)``, index below the stride."""
+
+
+def placeholder(step: int, index: int) -> int:
+    """The host's stand-in for token ``index`` of step ``step``'s sampled tokens, still on the device."""
+    return -1 - (step * PLACEHOLDER_STRIDE + index)
+
+
+@dataclass
+class TokenFeed:
+    """The tokens one step sampled, on the device, for the next step's inputs.
+
+    With overlapped scheduling the next step is planned and launched before these tokens
+    reach the host, so its rows hold placeholders; ``resolve`` swaps them on the device.
+    """
+
+    tokens: torch.Tensor  # [N] int64: every pass's sampled rows, in launch order
+    step: int
+
+    @staticmethod
+    def check(input_ids: list[int], feed: TokenFeed | None) -> TokenFeed | None:
+        """``feed`` if ``input_ids`` hold placeholders (all of them from its step), else None."""
+        if min(input_ids, default=0) >= 0:
+            return None
+        low = -1 - ((feed.step + 1) * PLACEHOLDER_STRIDE - 1) if feed is not None else 0
+        high = -1 - feed.step * PLACEHOLDER_STRIDE if feed is not None else -1
+        if feed is None or any(not low <= t <= high for t in input_ids if t < 0):
+            raise RuntimeError("a pass reads a token that no finished or in-flight step has sampled")
+        return feed
+
+    def resolve(self, ids: torch.Tensor) -> None:
+        """Replace placeholders in the device tensor ``ids`` with the tokens they stand for."""
+        index = (-1 - self.step * PLACEHOLDER_STRIDE - ids).clamp_(0, self.tokens.numel() - 1)
+        ids.copy_(torch.where(ids < 0, self.tokens[index], ids))
+
+
+@dataclass
+class LaunchedPass:
+    """A pass whose kernels are queued: which rows produce what, and its outputs as they
+    arrive on the host (``wait`` blocks until they have)."""
+
+    chunks: list[ScheduledChunk]
+    canonical: bool
+    sample_rows: list[tuple[int, int]]  # (row, chunk) of each sampled row, in sampled order
+    token_rows: list[int | None]
+    """Per chunk, the index among the sampled rows of its last row (None: it samples nothing)."""
+    positions: list[int]
+    prompt_owners: list[int]  # chunk of each prompt-logprob row
+    tokens: torch.Tensor | None = None  # sampled token ids on the device (the next step's feed)
+    sampled: SamplerOutput | None = None
+    prompt_scored: SamplerOutput | None = None
+    logits: list[torch.Tensor] = field(default_factory=list)  # per chunk, when asked for (self-test)
+    ready: torch.cuda.Event | None = None
+
+    def to_host(self) -> None:
+        """Start copying the sampler's outputs to pinned host memory; record when they land."""
+        probe = self.tokens if self.tokens is not None else self.prompt_scored.token_ids if self.prompt_scored else None
+        if probe is None or not probe.is_cuda:
+            return
+        self.sampled = _to_host(self.sampled)
+        self.prompt_scored = _to_host(self.prompt_scored)
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+def _to_host(out: SamplerOutput | None) -> SamplerOutput | None:
+    if out is None:
+        return None
+    fields = {name: getattr(out, name) for name in ("token_ids", "logprob", "rank", "top_ids", "top_logprobs")}
+    return SamplerOutput(**{k: v.to("cpu", non_blocking=True) if v is not None else None for k, v in fields.items()})
 
 
 def _position_logprobs(out: SamplerOutput, row: int, num_top: int) -> PositionLogprobs:
@@ -178,11 +259,28 @@ class ModelRunner:
         canonical: bool = False,
         keep_logits: bool = False,
     ) -> list[ChunkResult]:
-        """Run one forward pass over ``chunks``; return what each chunk produced."""
+        """Run one forward pass over ``chunks`` and wait for what each chunk produced."""
+        return self.collect(self.launch(chunks, block_ids, canonical=canonical, keep_logits=keep_logits))
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        block_ids: Sequence[list[int]],
+        *,
+        canonical: bool = False,
+        keep_logits: bool = False,
+        feed: TokenFeed | None = None,
+    ) -> LaunchedPass:
+        """Queue one forward pass over ``chunks`` and its sampling; nothing waits for the GPU.
+
+        Input tokens the host holds as placeholders are taken from ``feed`` on the device.
+        """
         input_ids: list[int] = []
         positions: list[int] = []
         prompt_rows: list[tuple[int, int, int]] = []  # (row, target token, chunk)
         sample_rows: list[tuple[int, int]] = []  # (row, chunk)
+        token_rows: list[int | None] = []
         for i, chunk in enumerate(chunks):
             r = chunk.request
             row0 = len(input_ids)
@@ -196,53 +294,80 @@ class ModelRunner:
                 sample_rows.extend((row0 + k, i) for k in range(chunk.num_tokens))
             elif chunk.samples and r.num_output_tokens < r.max_tokens:
                 sample_rows.append((row0 + chunk.num_tokens - 1, i))
+            token_rows.append(len(sample_rows) - 1 if sample_rows and sample_rows[-1][1] == i else None)
         pad = self.canonical_rows - len(input_ids) if canonical else 0
         if pad < 0:
             raise RuntimeError(f"canonical pass of {len(input_ids)} rows exceeds canonical_rows={self.canonical_rows}")
         input_ids.extend([0] * pad)
         positions.extend(range(pad))
+        fed = TokenFeed.check(input_ids, feed)
 
         layout = self._layout(chunks, block_ids, pad)
-        results = [ChunkResult() for _ in chunks]
+        launched = LaunchedPass(list(chunks), canonical, sample_rows, token_rows, positions, [i for _, _, i in prompt_rows])
         rows = [(chunks[i].request, positions[row]) for row, i in sample_rows] + [(None, 0)] * pad
         # Uploaded before the pass is launched: copies issued after it would wait for the GPU.
         batch = self._sampling_batch(rows) if rows else None
         index = None if canonical else [row for row, _, _ in prompt_rows] + [row for row, _ in sample_rows]
+        prompt_index = list(range(len(prompt_rows))) if not canonical else [row for row, _, _ in prompt_rows]
+        targets, prompt_index_t = (
+            upload(self.device, [[t for _, t, _ in prompt_rows], prompt_index], torch.int64) if prompt_rows else (None, None)
+        )
         if self._graph_runs(canonical, prompt_rows, len(input_ids), len(chunks)):
             # A decode graph computes every row's logits; keep the sampled rows (usually all).
             gather = None if index is None or index == list(range(len(index))) else upload(self.device, [index], torch.int64)[0]
             key = self.graphs.load(input_ids, positions, *layout, canonical=canonical)  # type: ignore[union-attr]
+            if fed is not None:
+                fed.resolve(self.graphs.input_ids[: len(input_ids)])  # type: ignore[union-attr]
             logits = self.graphs.replay(key)  # type: ignore[union-attr]
             if gather is not None:
                 logits = logits[gather]
             elif index is not None:
                 logits = logits[: len(index)]
         else:
-            logits = self.forward(StepInputs(input_ids, positions, *layout, canonical, index))
+            logits = self.forward(StepInputs(input_ids, positions, *layout, canonical, index), fed)
         if logits is None:
-            return results
+            return launched
         if canonical:
             if FAULTS.canonical_cross_row:
                 logits = logits + FAULTS.canonical_cross_row * float(sum(input_ids) % 7)
-            prompt_index = [row for row, _, _ in prompt_rows]
             sample_logits = logits
             if keep_logits:
-                for i, chunk in enumerate(chunks):
-                    first = sum(c.num_tokens for c in chunks[:i])
-                    results[i].logits = logits[first : first + chunk.num_tokens].clone()
+                first = 0
+                for chunk in chunks:
+                    launched.logits.append(logits[first : first + chunk.num_tokens].clone())
+                    first += chunk.num_tokens
         else:
             logits = self._fast_lane_faults(logits, len(input_ids))
-            prompt_index = list(range(len(prompt_rows)))
             sample_logits = logits[len(prompt_rows) :]
         if prompt_rows:
             num_top = max(chunks[i].request.params.prompt_logprobs or 0 for _, _, i in prompt_rows)
-            targets = self._tensor([t for _, t, _ in prompt_rows], torch.int64)
-            scored = compute_logprobs(logits[self._tensor(prompt_index, torch.int64)], targets, num_top)
-            for k, (_, _, i) in enumerate(prompt_rows):
+            launched.prompt_scored = compute_logprobs(logits[prompt_index_t], targets, num_top)
+        if batch is not None:
+            sampled = sample(sample_logits, batch)
+            launched.tokens = sampled.token_ids
+            launched.sampled = sampled
+        launched.to_host()
+        return launched
+
+    def collect(self, launched: LaunchedPass) -> list[ChunkResult]:
+        """Wait for a launched pass and hand each chunk what it produced."""
+        launched.wait()
+        chunks, positions = launched.chunks, launched.positions
+        results = [ChunkResult() for _ in chunks]
+        for i, logits in enumerate(launched.logits):
+            results[i].logits = logits
+        if launched.prompt_scored is not None:
+            scored = launched.prompt_scored
+            for k, i in enumerate(launched.prompt_owners):
                 own_top = chunks[i].request.params.prompt_logprobs or 0
                 results[i].prompt_logprobs.append(_position_logprobs(scored, k, own_top))
-        if batch is not None:
-            self._sample(chunks, results, sample_logits, batch, sample_rows, positions)
+        if launched.sampled is not None:
+            sampled = launched.sampled
+            tokens = sampled.token_ids.tolist()
+            for k, (row, i) in enumerate(launched.sample_rows):
+                r = chunks[i].request
+                lp = _position_logprobs(sampled, k, r.params.logprobs) if r.params.logprobs is not None else None
+                results[i].samples.append(SampledToken(positions[row], tokens[k], lp))
         return results
 
     def _graph_runs(self, canonical: bool, prompt_rows: list[tuple[int, int, int]], num_rows: int, num_seqs: int) -> bool:
@@ -255,15 +380,18 @@ class ModelRunner:
         return not prompt_rows and num_rows == num_seqs and self.graphs.bucket(num_rows) is not None
 
     @torch.inference_mode()
-    def forward(self, step: StepInputs) -> torch.Tensor | None:
+    def forward(self, step: StepInputs, fed: TokenFeed | None = None) -> torch.Tensor | None:
         """Every rank's part of a pass: the model over its rows, then the logits of
-        ``step.logit_rows`` (None when there are none). Rank 0 sends the step to the workers first."""
+        ``step.logit_rows`` (None when there are none). Rank 0 sends the step to the workers
+        first; placeholders among the inputs (rank 0 alone, no workers) are resolved from ``fed``."""
         with self.workers.running(step) if self.workers is not None else nullcontext():
             width = max(len(t) for t in step.block_tables)
             qsl = step.query_start_loc
             ids, positions, slots, logit_rows = upload(
                 self.device, [step.input_ids, step.positions, step.slots, step.logit_rows or []], torch.int64
             )
+            if fed is not None:
+                fed.resolve(ids)
             seq_lens, query_start_loc, tables = upload(
                 self.device, [step.seq_lens, qsl, padded_table(step.block_tables, width)], torch.int32
             )
@@ -289,21 +417,3 @@ class ModelRunner:
         gen = torch.Generator(device=self.device).manual_seed(num_rows)
         noise = torch.randn(logits.shape, generator=gen, device=self.device)
         return logits + FAULTS.fast_lane_logit_noise * noise
-
-    def _sample(
-        self,
-        chunks: Sequence[ScheduledChunk],
-        results: list[ChunkResult],
-        logits: torch.Tensor,
-        batch: SamplingBatch,
-        sample_rows: list[tuple[int, int]],
-        positions: list[int],
-    ) -> list[ChunkResult]:
-        """Sample every logits row under ``batch`` and hand each real row's token to its chunk."""
-        sampled = sample(logits, batch)
-        tokens = sampled.token_ids.tolist()
-        for k, (row, i) in enumerate(sample_rows):
-            r = chunks[i].request
-            lp = _position_logprobs(sampled, k, r.params.logprobs) if r.params.logprobs is not None else None
-            results[i].samples.append(SampledToken(positions[row], tokens[k], lp))
-        return results
