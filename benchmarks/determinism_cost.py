@@ -84,7 +84,11 @@ def main() -> None:
     run_once(llm, requests[: max(2, len(requests) // 8)], 0.5)  # warm-up (allocator, kernels, graphs)
     rows = []
     for fraction in map(float, args.fractions.split(",")):
-        runs = [run_once(llm, requests, fraction) for _ in range(args.repeats)]
+        runs = []
+        for i in range(args.repeats):
+            runs.append(run_once(llm, requests, fraction))
+            print(f"fraction {fraction:.2f} run {i + 1}: {runs[-1]['output_tok_s']:.0f} out tok/s, "
+                  f"{runs[-1]['rollbacks']} rollbacks")  # progress, in case the call is cut short
         median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         rows.append({"fraction": fraction, **median, "runs": runs})
     base = rows[0]["output_tok_s"]
