@@ -13,6 +13,7 @@ fraction routes the same requests.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PRESETS, model_dir, table, workload, write_json  # noqa: E402
 
 from sid import LLM, SamplingParams  # noqa: E402
+from sid.kernels.paged_attention import CANONICAL_CONFIG  # noqa: E402
 
 FRACTIONS = (0.0, 0.02, 0.10, 0.50, 1.0)
 
@@ -66,11 +68,16 @@ def main() -> None:
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--canonical-rows", type=int, default=None)
     ap.add_argument("--verify-window", type=int, default=8)
+    ap.add_argument("--canonical-config", default=None,
+                    help="JSON file of canonical attention constants to run with (canonical_sweep.py writes one); "
+                         "they are part of the numerics fingerprint")
     ap.add_argument("--smoke", action="store_true", help="CPU-sized: 24 requests of 16..64 tokens on the default model")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.smoke:
         args.requests, args.min_len, args.max_len = 24, 16, 64
+    if args.canonical_config:
+        CANONICAL_CONFIG.update(json.loads(Path(args.canonical_config).read_text()))
     llm = LLM(
         model_dir(args.model) if args.model else None,
         load_format="dummy" if args.model in PRESETS else "auto",
@@ -105,6 +112,7 @@ def main() -> None:
         "requests": args.requests,
         "lengths": [args.min_len, args.max_len],
         "fingerprint": engine.fingerprint,
+        "canonical_attention": engine.numerics["attention"],
     }
     path = write_json("determinism_cost", {**meta, "rows": rows}, args.out)
     cols = ["fraction", "output_tok_s", "normalised", "normal_output_tok_s", "rollbacks", "recomputed_tokens",

@@ -1,0 +1,125 @@
+"""Sweep the canonical attention schedule's launch constants on the canonical lane's own shapes.
+
+A canonical pass is ``canonical_rows`` (128) query rows: in a deterministic prompt, a
+128-token chunk attending to its prefix; in a whole canonical step, 128 decoding
+sequences. Both run from the canonical CUDA graph with ``max_seq_len`` = the model's limit.
+Each candidate of ``CANONICAL_CONFIG`` (block_m, kv_tile, kv_split, num_warps) is timed on
+those shapes for the Qwen3-0.6B (GQA 2) and Llama-3.1-8B (GQA 4) head layouts, against the
+fast schedule on the same inputs; the best is checked for bit-identity under batch
+changes (``attention.check_model``) and written as JSON for ``determinism_cost.py
+--canonical-config``. Changing the default changes the numerics fingerprint.
+
+    python benchmarks/canonical_sweep.py --out results/     # H200
+    python benchmarks/canonical_sweep.py --smoke            # CPU interpreter, two candidates
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import torch
+
+import attention  # noqa: I001  (sets TRITON_INTERPRET before triton is imported on a CPU)
+import triton
+
+from common import table, write_json
+from sid.kernels import paged_attention as pa
+
+PREFILL_OFFSETS = (0, 384, 896)
+"""Where the 128-row prompt chunks start: a canonical prefill's passes see growing prefixes."""
+DECODE_CONTEXT = 1024
+
+
+def shapes(pool: attention.Pool, heads: int, rows: int, offsets: tuple[int, ...], context: int) -> dict[str, tuple]:
+    """Kernel arguments of each timed shape: prompt chunks at ``offsets``, and a whole step of
+    ``rows`` sequences of ``context`` keys."""
+    dim, device = pool.k.shape[3], pool.device
+
+    def queries(n: int) -> torch.Tensor:
+        return torch.randn(n, heads, dim, dtype=attention.DTYPE, device=device)
+
+    out = {}
+    for offset in offsets:
+        ctx = offset + rows
+        out[f"prefill@{offset}"] = attention.batch_args(pool, [(pool.random_context(ctx), ctx, queries(rows))])
+    out["decode"] = attention.batch_args(pool, [(pool.random_context(context), context, queries(1)) for _ in range(rows)])
+    return out
+
+
+def time_shape(args: tuple, canonical: bool, max_seq_len: int, smoke: bool) -> float:
+    q = args[0]
+    out = torch.empty_like(q)
+    max_query_len = int((args[5][1:] - args[5][:-1]).max())
+    scale = q.shape[-1] ** -0.5
+
+    def run() -> None:
+        pa.paged_attention(*args, scale, canonical=canonical, out=out, max_query_len=max_query_len,
+                           max_seq_len=max_seq_len)
+
+    ms = attention.bench_graph(run, smoke)
+    return ms if ms is not None else attention.bench(run, smoke)
+
+
+def candidates(smoke: bool) -> list[dict[str, int]]:
+    if smoke:
+        return [dict(pa.CANONICAL_CONFIG), {**pa.CANONICAL_CONFIG, "kv_split": 2 * pa.CANONICAL_CONFIG["kv_tile"]}]
+    grid = itertools.product((16, 32, 64), (64, 128), (256, 512, 1024), (4,))
+    return [dict(block_m=m, kv_tile=t, kv_split=s, num_warps=w, num_stages=3) for m, t, s, w in grid if s % t == 0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=128, help="canonical_rows")
+    ap.add_argument("--max-seq-len", type=int, default=2064, help="the graph's key bound (model limit)")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    args = ap.parse_args()
+    offsets, context = PREFILL_OFFSETS, DECODE_CONTEXT
+    if args.smoke:
+        args.rows, args.max_seq_len, offsets, context = 8, 160, (0, 40), 48
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    sizes = attention.SMOKE if args.smoke else attention.FULL
+    default = dict(pa.CANONICAL_CONFIG)
+    per_model = {}
+    for name, (heads, kv_heads, head_dim) in sizes.models.items():
+        blocks = (args.rows + 1) * triton.cdiv(context, attention.BLOCK_SIZE) + 2 * len(offsets) * args.max_seq_len
+        pool = attention.Pool(blocks, kv_heads, head_dim, device)
+        per_model[name] = shapes(pool, heads, args.rows, offsets, context)
+    rows = []
+    fast = {(m, s): time_shape(a, False, args.max_seq_len, args.smoke) for m, cases in per_model.items()
+            for s, a in cases.items()}
+    for cfg in candidates(args.smoke):
+        pa.CANONICAL_CONFIG.clear()
+        pa.CANONICAL_CONFIG.update(cfg)
+        row = {**cfg}
+        for (model, shape), fast_ms in fast.items():
+            ms = time_shape(per_model[model][shape], True, args.max_seq_len, args.smoke)
+            row[f"{model}:{shape}"] = ms / fast_ms  # canonical time over fast time, same inputs
+        ratios = [v for k, v in row.items() if ":" in k]
+        row["mean_ratio"] = sum(ratios) / len(ratios)
+        row["worst_ratio"] = max(ratios)
+        rows.append(row)
+    rows.sort(key=lambda r: r["mean_ratio"])
+    best = {k: rows[0][k] for k in default}
+    pa.CANONICAL_CONFIG.clear()
+    pa.CANONICAL_CONFIG.update(best)
+    checks = {name: attention.check_model(sizes, *layout, device) for name, layout in sizes.models.items()}
+    pa.CANONICAL_CONFIG.clear()
+    pa.CANONICAL_CONFIG.update(default)
+    current = next(r for r in rows if all(r[k] == v for k, v in default.items()))
+    result = {"default": default, "best": best, "fast_ms": {f"{m}:{s}": v for (m, s), v in fast.items()},
+              "rows": rows, "bit_identity_checks": checks}
+    path = write_json("canonical_sweep", result, args.out)
+    (path.parent / "canonical_best.json").write_text(json.dumps(best))
+    cols = ["block_m", "kv_tile", "kv_split", "num_warps", *[k for k in rows[0] if ":" in k], "mean_ratio", "worst_ratio"]
+    print(table(rows[:8] + ([current] if current not in rows[:8] else []), cols))
+    print(f"canonical/fast time ratio; best {best} (mean {rows[0]['mean_ratio']:.2f}, worst {rows[0]['worst_ratio']:.2f}) "
+          f"vs default (mean {current['mean_ratio']:.2f}, worst {current['worst_ratio']:.2f}); wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
