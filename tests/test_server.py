@@ -1,8 +1,9 @@
 """The OpenAI-compatible server, driven over real HTTP with the official ``openai`` client.
 
 One engine serves the module from a uvicorn thread (fast-lane faults can be switched on
-in-process); a `sid serve` subprocess covers the command line, capacity, a model without
-a chat template, and SIGTERM.
+in-process), with overlapped scheduling as on a GPU; a `sid serve` subprocess (lockstep,
+the CPU default) covers the command line, capacity, a model without a chat template, and
+SIGTERM.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def served(trained_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     policy = tmp / "router.json"
     policy.write_text(json.dumps({"rules": [{"user": "auditor", "deterministic": True}]}))
     receipts = tmp / "receipts.jsonl"
-    engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=512, router_policy=str(policy)))
+    engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=512, router_policy=str(policy), async_scheduling=True))
     settings = ServerSettings(served_model_name=MODEL, api_keys=(KEY, "sk-other"), receipts=receipts)
     with ServerThread(build_app(engine, settings)) as server:
         yield Served(server.url, model, receipts, engine)
