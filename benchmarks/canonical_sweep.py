@@ -20,12 +20,11 @@ import itertools
 import json
 import os
 
+import attention  # sets TRITON_INTERPRET on a CPU; it must come before triton
 import torch
-
-import attention  # noqa: I001  (sets TRITON_INTERPRET before triton is imported on a CPU)
 import triton
-
 from common import table, write_json
+
 from sid.kernels import paged_attention as pa
 
 PREFILL_OFFSETS = (0, 384, 896)

@@ -117,3 +117,42 @@ def test_token_feed_resolves_placeholders_of_its_own_step_only() -> None:
         TokenFeed.check([placeholder(6, 0)], feed)  # an older step's token was never filled in
     with pytest.raises(RuntimeError, match="no finished or in-flight step"):
         TokenFeed.check([placeholder(7, 0)], None)
+
+
+def test_no_work_is_planned_past_a_last_token_in_flight(trained_model: Path) -> None:
+    """Requests whose final token is being sampled get no further rows, so they neither take
+    cache blocks nor push others out: two one-block prompts fill a three-block cache."""
+    stats = []
+    for overlap in (False, True):
+        llm = LLM(str(trained_model), block_size=8, num_kv_blocks=3, async_scheduling=overlap)
+        prompts = [{"prompt_token_ids": [10 + i] * 8} for i in range(2)]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 1 for o in outs)
+        stats.append(llm.stats())
+    assert stats[1]["preemptions"] == 0
+    assert stats[1]["scheduled_tokens"] == stats[0]["scheduled_tokens"] == 16
+
+
+def test_stats_and_stop_tokens_under_overlap(trained_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every proposal is accounted for once (accepted, or recomputed after a rollback), in
+    both modes; a proposed stop token is verified as soon as it is seen, not a window later."""
+    monkeypatch.setattr(FAULTS, "fast_lane_logit_noise", 3.0)
+    det = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, deterministic=True)
+    crowd = [SamplingParams(max_tokens=10 + 3 * i, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)]
+    for overlap in (False, True):
+        llm = LLM(str(trained_model), num_kv_blocks=256, determinism_strategy="speculate", async_scheduling=overlap)
+        llm.generate([PROMPT, PROMPT, *PROMPTS[:4]], [det, det, *crowd], use_tqdm=False)
+        s = llm.stats()
+        assert s["rollbacks"] > 0
+        assert s["proposed_tokens"] == s["accepted_tokens"] + s["recomputed_tokens"], (overlap, s)
+    monkeypatch.setattr(FAULTS, "fast_lane_logit_noise", 0.0)
+    tokens = LLM(str(trained_model), num_kv_blocks=64).generate(PROMPT, SamplingParams(max_tokens=8, temperature=0),
+                                                                use_tqdm=False)[0].outputs[0].token_ids
+    stop = SamplingParams(max_tokens=40, temperature=0, deterministic=True, stop_token_ids=[tokens[3]])
+    proposed = []
+    for overlap in (False, True):
+        llm = LLM(str(trained_model), num_kv_blocks=64, determinism_strategy="speculate", async_scheduling=overlap)
+        out = llm.generate(PROMPT, stop, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == tokens[: tokens.index(tokens[3]) + 1] and out.finish_reason == "stop"
+        proposed.append(llm.stats()["proposed_tokens"])
+    assert proposed[1] <= proposed[0] + 1  # at most the proposal in flight when the stop token lands

@@ -532,7 +532,7 @@ class LLMEngine:
                 self.stats.verifications += 1
             if rollback:
                 self.stats.rollbacks += 1
-                self.stats.recomputed_tokens += request.num_tokens - nxt
+                self.stats.recomputed_tokens += sum(t >= 0 for t in request.token_ids[nxt:])  # not in-flight ones
                 del request.token_ids[nxt + 1 :]
                 request.token_ids[nxt] = sampled.token_id
                 self.kv.truncate(request, nxt)  # later rows of this pass read the wrong tokens

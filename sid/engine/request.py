@@ -107,6 +107,16 @@ class Request:
         return self.num_tokens - self.n_canon - 1
 
     @property
+    def last_token_in_flight(self) -> bool:
+        """The pass sampling the last token the request may hold is launched and nothing
+        waits for verification: when its result arrives the request finishes."""
+        return (
+            self.token_ids[-1] < 0
+            and self.num_output_tokens >= self.max_tokens
+            and (not self.deterministic or self.num_unverified == 0)
+        )
+
+    @property
     def needs_canonical_rows(self) -> bool:
         """Positions below the committed tail lack canonical K/V (prompt, or recompute)."""
         return self.deterministic and self.n_canon < self.num_committed_tokens - 1

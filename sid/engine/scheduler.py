@@ -166,16 +166,19 @@ class Scheduler:
         self.stats.preemptions += 1
 
     def must_verify(self, request: Request) -> bool:
-        """The window is full, or the last proposal would end generation."""
+        """The window is full, or a proposal would end generation (a stop token, or the last
+        token allowed). Proposals still in flight are placeholders and cannot be checked yet."""
         unverified = request.num_unverified
-        return unverified >= self.verify_window or (
-            unverified > 0
-            and (request.num_output_tokens >= request.max_tokens or request.token_ids[-1] in request.stop_token_set)
-        )
+        if unverified >= self.verify_window or (unverified > 0 and request.num_output_tokens >= request.max_tokens):
+            return True
+        stops = request.stop_token_set
+        return unverified > 0 and any(t in stops for t in request.token_ids[request.n_canon + 1 :])
 
     def _demand(self, request: Request, budget: int) -> _Demand | None:
-        """None when nothing is left to compute: the last pass launched for the request ends
-        it, and its results are not in yet (overlapped scheduling)."""
+        """None when nothing is left to compute: the pass that ends the request is launched,
+        and its results are not in yet (overlapped scheduling)."""
+        if request.last_token_in_flight:
+            return None
         if not request.deterministic:
             start = request.num_computed_tokens
             if start >= request.num_tokens:
@@ -204,7 +207,8 @@ class Scheduler:
             if demand is None:
                 continue
             while not self.kv.allocate(request, demand.upto):
-                victim = self.running[-1]
+                # Requests that end when their in-flight pass lands give their blocks back then.
+                victim = next((r for r in reversed(self.running) if not r.last_token_in_flight), request)
                 if id(victim) in planned:  # never undo work already planned this step
                     victim = request
                 self._preempt(victim)

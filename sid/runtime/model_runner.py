@@ -98,8 +98,8 @@ class TokenFeed:
         """``feed`` if ``input_ids`` hold placeholders (all of them from its step), else None."""
         if min(input_ids, default=0) >= 0:
             return None
-        low = -1 - ((feed.step + 1) * PLACEHOLDER_STRIDE - 1) if feed is not None else 0
         high = -1 - feed.step * PLACEHOLDER_STRIDE if feed is not None else -1
+        low = high - feed.tokens.numel() + 1 if feed is not None else 0
         if feed is None or any(not low <= t <= high for t in input_ids if t < 0):
             raise RuntimeError("a pass reads a token that no finished or in-flight step has sampled")
         return feed
@@ -108,6 +108,18 @@ class TokenFeed:
         """Replace placeholders in the device tensor ``ids`` with the tokens they stand for."""
         index = (-1 - self.step * PLACEHOLDER_STRIDE - ids).clamp_(0, self.tokens.numel() - 1)
         ids.copy_(torch.where(ids < 0, self.tokens[index], ids))
+
+
+@dataclass
+class PassRows:
+    """A pass's rows: ``pad`` trailing padding rows (canonical passes) write nothing."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)  # (row, target token, chunk)
+    sample_rows: list[tuple[int, int]] = field(default_factory=list)  # (row, chunk)
+    token_rows: list[int | None] = field(default_factory=list)  # see LaunchedPass.token_rows
+    pad: int = 0
 
 
 @dataclass
@@ -262,6 +274,31 @@ class ModelRunner:
         """Run one forward pass over ``chunks`` and wait for what each chunk produced."""
         return self.collect(self.launch(chunks, block_ids, canonical=canonical, keep_logits=keep_logits))
 
+    def _rows(self, chunks: Sequence[ScheduledChunk], canonical: bool) -> PassRows:
+        """What each row of the pass is: its token and position, and which rows give logits."""
+        rows = PassRows()
+        for i, chunk in enumerate(chunks):
+            r = chunk.request
+            row0 = len(rows.input_ids)
+            rows.input_ids.extend(r.token_ids[chunk.start : chunk.end])
+            rows.positions.extend(range(chunk.start, chunk.end))
+            if r.wants_prompt_logprobs:
+                first = max(chunk.start, len(r.prompt_logprobs or ()) - 1)
+                for p in range(first, min(chunk.end, r.num_prompt_tokens - 1)):
+                    rows.prompt_rows.append((row0 + p - chunk.start, r.token_ids[p + 1], i))
+            if canonical:
+                rows.sample_rows.extend((row0 + k, i) for k in range(chunk.num_tokens))
+            elif chunk.samples and r.num_output_tokens < r.max_tokens:
+                rows.sample_rows.append((row0 + chunk.num_tokens - 1, i))
+            last = rows.sample_rows[-1] if rows.sample_rows else None
+            rows.token_rows.append(len(rows.sample_rows) - 1 if last is not None and last[1] == i else None)
+        rows.pad = self.canonical_rows - len(rows.input_ids) if canonical else 0
+        if rows.pad < 0:
+            raise RuntimeError(f"canonical pass of {len(rows.input_ids)} rows exceeds canonical_rows={self.canonical_rows}")
+        rows.input_ids.extend([0] * rows.pad)
+        rows.positions.extend(range(rows.pad))
+        return rows
+
     @torch.inference_mode()
     def launch(
         self,
@@ -276,37 +313,16 @@ class ModelRunner:
 
         Input tokens the host holds as placeholders are taken from ``feed`` on the device.
         """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        prompt_rows: list[tuple[int, int, int]] = []  # (row, target token, chunk)
-        sample_rows: list[tuple[int, int]] = []  # (row, chunk)
-        token_rows: list[int | None] = []
-        for i, chunk in enumerate(chunks):
-            r = chunk.request
-            row0 = len(input_ids)
-            input_ids.extend(r.token_ids[chunk.start : chunk.end])
-            positions.extend(range(chunk.start, chunk.end))
-            if r.wants_prompt_logprobs:
-                first = max(chunk.start, len(r.prompt_logprobs or ()) - 1)
-                for p in range(first, min(chunk.end, r.num_prompt_tokens - 1)):
-                    prompt_rows.append((row0 + p - chunk.start, r.token_ids[p + 1], i))
-            if canonical:
-                sample_rows.extend((row0 + k, i) for k in range(chunk.num_tokens))
-            elif chunk.samples and r.num_output_tokens < r.max_tokens:
-                sample_rows.append((row0 + chunk.num_tokens - 1, i))
-            token_rows.append(len(sample_rows) - 1 if sample_rows and sample_rows[-1][1] == i else None)
-        pad = self.canonical_rows - len(input_ids) if canonical else 0
-        if pad < 0:
-            raise RuntimeError(f"canonical pass of {len(input_ids)} rows exceeds canonical_rows={self.canonical_rows}")
-        input_ids.extend([0] * pad)
-        positions.extend(range(pad))
+        rows = self._rows(chunks, canonical)
+        input_ids, positions, prompt_rows, sample_rows, pad = (
+            rows.input_ids, rows.positions, rows.prompt_rows, rows.sample_rows, rows.pad
+        )
         fed = TokenFeed.check(input_ids, feed)
-
         layout = self._layout(chunks, block_ids, pad)
-        launched = LaunchedPass(list(chunks), canonical, sample_rows, token_rows, positions, [i for _, _, i in prompt_rows])
-        rows = [(chunks[i].request, positions[row]) for row, i in sample_rows] + [(None, 0)] * pad
+        launched = LaunchedPass(list(chunks), canonical, sample_rows, rows.token_rows, positions, [i for _, _, i in prompt_rows])
+        sampled_rows = [(chunks[i].request, positions[row]) for row, i in sample_rows] + [(None, 0)] * pad
         # Uploaded before the pass is launched: copies issued after it would wait for the GPU.
-        batch = self._sampling_batch(rows) if rows else None
+        batch = self._sampling_batch(sampled_rows) if sampled_rows else None
         index = None if canonical else [row for row, _, _ in prompt_rows] + [row for row, _ in sample_rows]
         prompt_index = list(range(len(prompt_rows))) if not canonical else [row for row, _, _ in prompt_rows]
         targets, prompt_index_t = (
