@@ -116,6 +116,8 @@ def test_token_feed_resolves_placeholders_of_its_own_step_only() -> None:
     with pytest.raises(RuntimeError, match="no finished or in-flight step"):
         TokenFeed.check([placeholder(6, 0)], feed)  # an older step's token was never filled in
     with pytest.raises(RuntimeError, match="no finished or in-flight step"):
+        TokenFeed.check([placeholder(7, 3)], feed)  # past the step's sampled tokens
+    with pytest.raises(RuntimeError, match="no finished or in-flight step"):
         TokenFeed.check([placeholder(7, 0)], None)
 
 
