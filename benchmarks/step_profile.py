@@ -3,11 +3,11 @@
 Runs a slice of the throughput workload twice: once timed per step (wall time of
 ``LLMEngine.step`` and of its host-side phases, see ``PHASES``), once under
 ``torch.profiler`` for the GPU kernel totals (kernels replayed inside CUDA graphs may be
-missing from those). A step whose wall
-time is much longer than its kernels' is host-bound; that is what overlapping scheduling
-with the GPU would win back.
+missing from those). A step whose wall time is much longer than its kernels' is
+host-bound; overlapped scheduling (the default on a GPU) hides the host's share, and
+``--no-async-scheduling`` measures the lockstep engine for comparison.
 
-    python benchmarks/step_profile.py --model qwen3-0.6b [--deterministic 1.0]   # H200
+    python benchmarks/step_profile.py --model qwen3-0.6b [--deterministic 1.0] [--no-async-scheduling]   # H200
     python benchmarks/step_profile.py --smoke                     # CPU, built-in model
 """
 
