@@ -615,19 +615,26 @@ class StepInFlight:
     step: int
     passes: list[LaunchedPass] = field(default_factory=list)
     planned: list[list[Planned]] = field(default_factory=list)  # per pass, per chunk
-    num_tokens: int = 0
-    """Rows sampled so far: where the next pass's tokens start in ``feed``."""
+
+    @property
+    def tokens(self) -> list[torch.Tensor]:
+        return [p.tokens for p in self.passes if p.tokens is not None]
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows sampled so far: where the next pass's tokens start in ``feed``."""
+        return sum(t.numel() for t in self.tokens)
 
     def add(self, handle: LaunchedPass, planned: list[Planned]) -> None:
         self.passes.append(handle)
         self.planned.append(planned)
-        if handle.tokens is not None:
-            self.num_tokens += handle.tokens.numel()
 
     def feed(self) -> TokenFeed | None:
         """Every pass's sampled tokens, on the device, for the next step's placeholders."""
-        tokens = [p.tokens for p in self.passes if p.tokens is not None]
-        return TokenFeed(torch.cat(tokens), self.step) if tokens else None
+        tokens = self.tokens
+        if not tokens:
+            return None
+        return TokenFeed(tokens[0] if len(tokens) == 1 else torch.cat(tokens), self.step)
 
 
 def _fill(request: Request, index: int, token: int) -> None:

@@ -35,8 +35,24 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
 
 
+class HeadLayout:
+    """Widths of the q and k/v projections of a head layout (a model's, or one rank's)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(HeadLayout):
     """Shape and switches of a decoder-only transformer."""
 
     architecture: str
@@ -56,14 +72,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:

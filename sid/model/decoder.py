@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sid.model.config import ModelConfig
+from sid.model.config import HeadLayout, ModelConfig
 from sid.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 
@@ -46,7 +46,7 @@ class TensorParallel(Protocol):
 
 
 @dataclass(frozen=True)
-class Shard:
+class Shard(HeadLayout):
     """One rank's slice of the model: its query heads, KV heads, MLP columns, vocabulary rows.
 
     KV heads are split when the TP size divides their count, and replicated (each rank
@@ -91,14 +91,6 @@ class Shard:
             vocab_start=rank * vocab_rows,
             vocab_rows=vocab_rows,
         )
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
 
 def _sum_ranks(tp: TensorParallel | None, x: torch.Tensor, canonical: bool) -> torch.Tensor:
