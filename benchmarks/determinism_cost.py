@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--canonical-rows", type=int, default=None)
+    ap.add_argument("--max-canonical-rows", type=int, default=None, help="largest canonical pass (default: the engine's)")
     ap.add_argument("--verify-window", type=int, default=8)
     ap.add_argument("--canonical-config", default=None,
                     help="JSON file of canonical attention constants to run with (canonical_sweep.py writes one); "
@@ -83,6 +84,7 @@ def main() -> None:
         load_format="dummy" if args.model in PRESETS else "auto",
         max_model_len=2 * args.max_len + 16,
         canonical_rows=args.canonical_rows,
+        max_canonical_rows=args.max_canonical_rows,
         verify_window=args.verify_window,
         determinism_strategy=args.strategy,
     )
@@ -107,6 +109,7 @@ def main() -> None:
         "device": str(engine.device),
         "dtype": str(engine.dtype),
         "canonical_rows": engine.canonical_rows,
+        "canonical_sizes": list(engine.canonical.sizes),
         "verify_window": engine.config.verify_window,
         "strategy": args.strategy,
         "requests": args.requests,
@@ -117,7 +120,8 @@ def main() -> None:
     path = write_json("determinism_cost", {**meta, "rows": rows}, args.out)
     cols = ["fraction", "output_tok_s", "normalised", "normal_output_tok_s", "rollbacks", "recomputed_tokens",
             "proposed_tokens", "canonical_passes", "chose_speculate", "chose_direct", "chose_whole"]
-    print(f"{meta['model']} on {meta['device']} ({meta['dtype']}), M_canon={meta['canonical_rows']}, W={meta['verify_window']}")
+    print(f"{meta['model']} on {meta['device']} ({meta['dtype']}), canonical passes of {meta['canonical_sizes']} rows, "
+          f"W={meta['verify_window']}")
     print(table(rows, cols))
     print(f"wrote {path}")
 

@@ -3,6 +3,7 @@
 #   usage (device tool, carry .carry): bash benchmarks/gpu_suite.sh [STEP ...]
 # Steps: tests throughput_qwen decode_roofline throughput_llama cost_qwen cost_qwen_m256 cost_llama cost_trained
 #        canonical_sweep cost_swept (the cost with the sweep's best canonical attention constants)
+#        pass_invariance cost_qwen_m128 (canonical passes of 128 rows only)
 #        repro_trained repro_llama serve profile_qwen profile_qwen_lockstep profile_qwen_det profile_llama prefill
 # Environment: REPEATS (cost_qwen, default 1), FRACTIONS (cost_*, default all), LLAMA_REQUESTS.
 # `serve` needs the server's packages, absent on the H200 image: carry them as wheels in .whl
@@ -37,6 +38,8 @@ step() {
     decode_roofline) run_step decode_roofline 200 python3 benchmarks/decode_roofline.py --model llama-3.1-8b --out "$RES" ;;
     cost_qwen) run_step cost_qwen 400 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --repeats "${REPEATS:-1}" $FRAC --out "$RES/qwen" ;;
     cost_qwen_m256) run_step cost_qwen_m256 300 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --canonical-rows 256 --repeats "${REPEATS:-1}" --fractions 0,0.5,1.0 --out "$RES/qwen_m256" ;;
+    cost_qwen_m128) run_step cost_qwen_m128 300 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --max-canonical-rows 128 --repeats "${REPEATS:-1}" $FRAC --out "$RES/qwen_m128" ;;
+    pass_invariance) run_step pass_invariance 120 python3 benchmarks/pass_invariance.py --out "$RES" ;;
     canonical_sweep) run_step canonical_sweep 200 python3 benchmarks/canonical_sweep.py --out "$RES/sweep" ;;
     cost_swept) run_step cost_swept_qwen 150 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --repeats 1 --fractions 0,0.02,0.1,0.5,1.0 --canonical-config "$RES/sweep/canonical_best.json" --out "$RES/swept_qwen"
       run_step cost_swept_llama 240 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --repeats 1 --fractions 0,0.5,1.0 --canonical-config "$RES/sweep/canonical_best.json" --out "$RES/swept_llama" ;;

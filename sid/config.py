@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from sid.engine.scheduler import PassSizes
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -41,6 +43,9 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = 1 << 30
     enable_determinism: bool = True
     canonical_rows: int | None = None
+    max_canonical_rows: int | None = None
+    """Largest canonical pass (``canonical_rows`` times a power of two); None = 2048 rows on
+    a GPU, 256 on a CPU (16x and 8x ``M_canon``)."""
     verify_window: int = 8
     determinism_strategy: str = "auto"
     router_policy: Any = None
@@ -58,6 +63,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.canonical_rows is not None and self.canonical_rows < 1:
             raise ValueError(f"canonical_rows must be >= 1, got {self.canonical_rows}")
+        if self.max_canonical_rows is not None and self.max_canonical_rows < 1:
+            raise ValueError(f"max_canonical_rows must be >= 1, got {self.max_canonical_rows}")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size=1: the workers would need the sampled tokens")
         if self.verify_window < 1:
@@ -71,9 +78,12 @@ class EngineConfig:
             raise ValueError("device='cuda' was asked for, but no CUDA device is available")
         return device
 
-    def canonical_rows_for(self, device: torch.device) -> int:
-        """``M_canon``: 128 rows on a GPU (a pass costs about one decode step), 32 on a CPU."""
-        return self.canonical_rows or (128 if device.type == "cuda" else 32)
+    def canonical_sizes_for(self, device: torch.device) -> PassSizes:
+        """``M_canon``: 128 rows on a GPU (a pass costs about one decode step), 32 on a CPU;
+        larger passes carry prompts and whole steps in few launches."""
+        cuda = device.type == "cuda"
+        base = self.canonical_rows or (128 if cuda else 32)
+        return PassSizes(base, self.max_canonical_rows or (16 if cuda else 8) * base)
 
     def async_scheduling_for(self, device: torch.device) -> bool:
         """Overlap pays only where kernels run asynchronously to the host; under tensor

@@ -18,7 +18,7 @@ from sid import LLM, SamplingParams
 from sid.engine.engine import LLMEngine
 from sid.engine.kv_cache import cdiv
 from sid.engine.scheduler import ScheduledChunk
-from sid.runtime.cuda_graphs import CANONICAL, CUDAGraphs
+from sid.runtime.cuda_graphs import CUDAGraphs, canonical_key
 from sid.runtime.model_runner import ChunkResult
 
 PROMPTS = ["def main(", "import numpy as np\n", "class Config:\n    def __init__(self", "    for i in range(", "# t\n"]
@@ -37,12 +37,12 @@ def engine(trained_model: Path) -> LLMEngine:
 
 
 def graphs_for(engine: LLMEngine) -> CUDAGraphs:
-    max_positions = max(engine.max_model_len, engine.canonical_rows)
+    max_positions = max(engine.max_model_len, engine.canonical.max)
     graphs = CUDAGraphs(
         engine.model,
         engine.kv_cache,
         max_batch=8,
-        canonical_rows=engine.canonical_rows,
+        canonical_sizes=engine.canonical.sizes[:2],
         max_blocks=cdiv(max_positions, engine.config.block_size),
         max_seq_len=max_positions,
     )
@@ -71,7 +71,7 @@ def test_every_placeholder_is_a_valid_pass_that_writes_nothing(engine: LLMEngine
         assert logits.shape[0] == shape.rows and bool(torch.isfinite(logits).all()), key
     assert all(torch.equal(a, b) for a, b in zip(cache, engine.kv_cache.k + engine.kv_cache.v))
     assert torch.equal(cos, engine.model.rotary.cos)
-    assert CANONICAL in graphs.shapes
+    assert canonical_key(engine.canonical_rows) in graphs.shapes and canonical_key(2 * engine.canonical_rows) in graphs.shapes
 
 
 def test_a_canonical_pass_through_the_static_buffers_has_the_eager_bits(engine: LLMEngine) -> None:
@@ -84,6 +84,25 @@ def test_a_canonical_pass_through_the_static_buffers_has_the_eager_bits(engine: 
         assert a.logits is not None and b.logits is not None
         assert torch.equal(a.logits, b.logits)
         assert [s.token_id for s in a.samples] == [s.token_id for s in b.samples]
+
+
+def test_a_larger_canonical_graph_gives_the_rows_of_the_eager_pass_and_its_smaller_head(engine: LLMEngine) -> None:
+    """A pass of 2 x M_canon rows: the graph computes every row's logits, the eager pass only
+    those of rows that choose a token, in an LM head of M_canon rows: the same bits for those."""
+    m = engine.canonical_rows
+    running = engine.scheduler.running
+    chunks = [ScheduledChunk(r, 0, r.num_computed_tokens) for r in running[:3]]  # whole prompts, recomputed
+    assert m < sum(c.num_tokens for c in chunks) <= 2 * m
+    eager = run(engine, chunks, None, canonical=True)
+    graphed = run(engine, chunks, graphs_for(engine), canonical=True)
+    for a, b in zip(eager, graphed):
+        assert a.logits is not None and b.logits is not None
+        chosen = {s.position: (s.token_id, a.logits[k]) for k, s in enumerate(a.samples)}
+        every = {s.position: (s.token_id, b.logits[k]) for k, s in enumerate(b.samples)}
+        assert len(chosen) < len(every)  # the eager pass left out the prompt's inner rows
+        assert chosen.keys() == {p for p in every if p >= a.samples[0].position}
+        for p, (token, logits) in chosen.items():
+            assert token == every[p][0] and torch.equal(logits, every[p][1])
 
 
 def test_a_decode_step_padded_to_its_bucket_matches_the_eager_step(engine: LLMEngine) -> None:

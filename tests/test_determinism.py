@@ -112,8 +112,10 @@ def test_auto_strategy_follows_the_cost_model(trained_model: Path) -> None:
     assert sched.choose_strategy(fast_rows=20, required_rows=0, num_flexible=4, flexible_rows=4) == "whole"
     # A busy fast lane and no canonical pass due: speculating avoids a pass this step.
     assert sched.choose_strategy(fast_rows=200, required_rows=0, num_flexible=4, flexible_rows=4) == "speculate"
-    # A canonical pass runs anyway: decoding directly in its spare rows is free.
-    assert sched.choose_strategy(fast_rows=200, required_rows=10, num_flexible=4, flexible_rows=4) == "direct"
+    # A canonical pass runs anyway: decoding directly in its spare rows is free...
+    assert sched.choose_strategy(fast_rows=250, required_rows=10, num_flexible=4, flexible_rows=4) == "direct"
+    # ...unless the whole step fits one canonical pass with little padding (256 rows here).
+    assert sched.choose_strategy(fast_rows=200, required_rows=10, num_flexible=4, flexible_rows=4) == "whole"
     sched.cost_model = CPU_COST
     assert sched.choose_strategy(fast_rows=20, required_rows=0, num_flexible=2, flexible_rows=2) == "speculate"
 
@@ -160,6 +162,34 @@ def test_broken_row_independence_makes_the_self_test_refuse(trained_model: Path,
         llm.generate(PROMPT, det(), use_tqdm=False)
 
 
+def test_a_pass_size_that_changes_bits_makes_the_self_test_refuse(
+    trained_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(FAULTS, "canonical_pass_size", 1e-3)
+    with pytest.raises(DeterminismSelfTestError, match="a pass of 64 rows instead of 32"):
+        LLM(str(trained_model), num_kv_blocks=64)
+    # With one pass size there is nothing to disagree with: the engine starts.
+    assert LLM(str(trained_model), num_kv_blocks=64, max_canonical_rows=32).llm_engine.canonical.sizes == (32,)
+
+
+def test_large_canonical_passes_give_the_bits_of_small_ones(trained_model: Path, faults: object) -> None:
+    """Long prompts and whole steps run in passes of up to 256 rows (LM head on the rows that
+    choose a token, prompt logprobs included) or only in passes of M_canon = 32: same bits."""
+    long = "import numpy as np\n" * 25 + PROMPT
+    prompts = [long, long + "    return", *CROWD[:4]]
+    params = [det(24, logprobs=2, prompt_logprobs=1), det(24, temperature=0.9, seed=3), *crowd_params(4)]
+    seen, passes = [], []
+    for largest in (32, 256):
+        llm = LLM(str(trained_model), num_kv_blocks=512, max_canonical_rows=largest, determinism_strategy="whole")
+        assert llm.llm_engine.canonical.max == largest
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seen.append([(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs, o.fingerprint) for o in outs[:2]])
+        passes.append(llm.llm_engine.get_stats()["canonical_passes"])
+    assert seen[0] == seen[1]
+    assert len(seen[0][0][2]) > 4 * 32  # the long prompt's logprobs came from the large passes too
+    assert passes[1] < passes[0]  # and the large passes really ran
+
+
 SETTINGS = [
     dict(num_kv_blocks=96),
     dict(max_num_seqs=2),
@@ -169,6 +199,7 @@ SETTINGS = [
     dict(max_num_batched_tokens=7),
     dict(block_size=8),
     dict(async_scheduling=True),
+    dict(max_canonical_rows=32),
 ]
 
 

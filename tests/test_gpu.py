@@ -75,7 +75,7 @@ def test_canonical_graph_gives_the_eager_canonical_pass_bits(trained_model: Path
     (this pass's own sizes) must agree bit for bit: both are the canonical lane."""
     llm = LLM(str(trained_model), max_num_seqs=64)
     engine = llm.llm_engine
-    assert engine.runner.graphs is not None and engine.runner.graphs.has_canonical
+    assert engine.runner.graphs is not None and engine.runner.graphs.has_canonical(engine.canonical_rows)
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"r{i}", p * (i + 1), SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
     for _ in range(6):
@@ -145,3 +145,24 @@ def test_overlapped_deterministic_request_has_the_lockstep_bits_under_load(train
     outs = llm.generate([*PROMPTS, PROMPTS[2], *PROMPTS * 2][:13], [*crowd[:5], det, *crowd[5:]], use_tqdm=False)
     loaded = outs[5].outputs[0]
     assert (loaded.token_ids, loaded.logprobs) == (alone.outputs[0].token_ids, alone.outputs[0].logprobs)
+
+
+def test_large_canonical_passes_give_the_bits_of_small_ones_in_bf16(trained_model: Path) -> None:
+    """A long prompt and whole canonical steps in passes of up to 512 rows (cuBLASLt GEMMs, LM
+    head on the rows that choose a token) or only in 128-row passes: the same bits.
+    ``benchmarks/pass_invariance.py`` checks the GEMMs of the real model shapes."""
+    long = "import numpy as np\n" * 60 + PROMPTS[0]
+    det = SamplingParams(
+        max_tokens=32, temperature=0.8, seed=3, logprobs=2, prompt_logprobs=1, ignore_eos=True, deterministic=True
+    )
+    crowd = [SamplingParams(max_tokens=20 + 7 * i, temperature=1.0, seed=i, ignore_eos=True) for i in range(8)]
+    seen, passes = [], []
+    for largest in (128, 2048):
+        llm = LLM(str(trained_model), max_canonical_rows=largest, determinism_strategy="whole", gpu_memory_utilization=0.3)
+        assert llm.llm_engine.canonical.max >= min(largest, 512)  # the self-test checked them all
+        out = llm.generate([long, *PROMPTS, *PROMPTS[:3]], [det, *crowd], use_tqdm=False)[0]
+        seen.append((out.outputs[0].token_ids, out.outputs[0].logprobs, out.prompt_logprobs, out.fingerprint))
+        passes.append(llm.llm_engine.get_stats()["canonical_passes"])
+        del llm
+    assert seen[0] == seen[1]
+    assert passes[1] < passes[0]

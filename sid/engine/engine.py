@@ -20,13 +20,14 @@ from sid.engine.fingerprint import numerics_fingerprint, processor, source_diges
 from sid.engine.kv_cache import KVCacheManager, PrefixCacheStats, cdiv
 from sid.engine.request import Request, RequestStatus
 from sid.engine.router import RequestContext, Router, RouterPolicy
-from sid.engine.scheduler import CPU_COST, GPU_COST, ScheduledChunk, Scheduler, StepPlan
+from sid.engine.scheduler import CPU_COST, GPU_COST, PassSizes, ScheduledChunk, Scheduler, StepPlan
 from sid.engine.selftest import self_test
 from sid.model.config import CheckpointError, ModelConfig
 from sid.model.decoder import Shard
 from sid.model.loader import build_model
 from sid.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from sid.runtime.attention import PagedKVCache, get_backend
+from sid.runtime.blas import use_row_invariant_gemms
 from sid.runtime.cuda_graphs import CUDAGraphs
 from sid.runtime.model_runner import ChunkResult, LaunchedPass, ModelRunner, SampledToken, TokenFeed, placeholder
 from sid.runtime.tp_worker import TPWorkers, WorkerSpec
@@ -78,11 +79,13 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} positions")
         self.max_model_len = config.max_model_len or limit
-        self.canonical_rows = config.canonical_rows_for(self.device)
+        self.canonical = config.canonical_sizes_for(self.device)
+        self.blas = use_row_invariant_gemms(self.device)
+        self.canonical_rows = self.canonical.base
         cuda = self.device.type == "cuda"
         # Bytes other engines held when this one started: KV sizing leaves them out.
         self._memory_baseline = torch.cuda.memory_allocated(self.device) if cuda else 0
-        max_positions = max(self.max_model_len, self.canonical_rows)  # padding rows too
+        max_positions = max(self.max_model_len, self.canonical.max)  # padding rows too
         self.workers = self._start_workers(max_positions)
         try:
             self._build(max_positions)
@@ -108,7 +111,7 @@ class LLMEngine:
             max_positions=max_positions,
             block_size=config.block_size,
             attention_backend=config.attention_backend,
-            canonical_rows=self.canonical_rows,
+            canonical=self.canonical,
             num_threads=torch.get_num_threads(),
             size=size,
         )
@@ -138,21 +141,23 @@ class LLMEngine:
             self.kv,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            canonical_rows=self.canonical_rows,
+            canonical=self.canonical,
             verify_window=config.verify_window,
             strategy=config.determinism_strategy,
             cost_model=GPU_COST if self.device.type == "cuda" else CPU_COST,
         )
         self.runner = ModelRunner(
-            self.model, self.kv_cache, config.block_size, self.device, self.canonical_rows, self.workers
+            self.model, self.kv_cache, config.block_size, self.device, self.canonical, self.workers
         )
         # Under TP the graphs would have to capture the collectives too; TP runs eagerly.
         if self.device.type == "cuda" and not config.enforce_eager and self.workers is None:
+            max_batch = min(config.max_num_seqs, 256)
+            canonical_graphs = [s for s in self.canonical.sizes if s <= max(max_batch, self.canonical.base)]
             self.runner.graphs = CUDAGraphs(
                 self.model,
                 self.kv_cache,
-                max_batch=min(config.max_num_seqs, 256),
-                canonical_rows=self.canonical_rows if config.enable_determinism else None,
+                max_batch=max_batch,
+                canonical_sizes=canonical_graphs if config.enable_determinism else (),
                 max_blocks=cdiv(max_positions, config.block_size),
                 max_seq_len=max_positions,
             )
@@ -170,7 +175,9 @@ class LLMEngine:
         self._in_flight: StepInFlight | None = None
         self.async_scheduling = config.async_scheduling_for(self.device)
         if config.enable_determinism:
-            self_test(self.runner, self.kv, self.canonical_domain, self.max_model_len)
+            checked = self_test(self.runner, self.kv, self.canonical_domain, self.max_model_len)
+            self.canonical = PassSizes(self.canonical.base, checked)  # no pass size goes unchecked
+            self.scheduler.canonical = self.runner.canonical = self.canonical
             self.kv.stats = PrefixCacheStats()
 
     def _kv_cache(self, num_blocks: int) -> PagedKVCache:
@@ -197,6 +204,7 @@ class LLMEngine:
 
         return {
             "canonical_rows": self.canonical_rows,
+            "blas": self.blas,
             "dtype": str(self.dtype),
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "attention": self.backend.canonical_config(),
@@ -242,7 +250,7 @@ class LLMEngine:
         seq_len = min(tokens, self.max_model_len)
         num_seqs = cdiv(tokens, seq_len)
         profile_cache = self._kv_cache(num_seqs * cdiv(seq_len, bs))
-        runner = ModelRunner(self.model, profile_cache, bs, self.device, self.canonical_rows, self.workers)
+        runner = ModelRunner(self.model, profile_cache, bs, self.device, self.canonical, self.workers)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, logprobs=5)
@@ -254,6 +262,14 @@ class LLMEngine:
             first = s * cdiv(seq_len, bs)
             tables.append(list(range(first, first + cdiv(n, bs))))
         runner.execute(chunks, tables)
+        if self.config.enable_determinism:
+            # The largest canonical pass with every row choosing a token: its LM head and
+            # sampler take more memory than the fast step's few sampled rows.
+            rows = min(self.canonical.max, len(tables[0]) * bs)
+            r = Request("profile-canonical", None, [0], params, 0, rows, frozenset(), 0)
+            r.token_ids.extend([0] * (rows - 1))
+            r.num_emitted = rows - 1
+            runner.execute([ScheduledChunk(r, 0, rows)], tables[:1], canonical=True)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - sum(
             t.numel() * t.element_size() for t in profile_cache.k + profile_cache.v
@@ -492,7 +508,7 @@ class LLMEngine:
         emitted = request.num_emitted
         cacheable = chunk.end
         if request.deterministic and canonical:
-            cacheable = self._verify(request, result.samples)
+            cacheable = self._verify(request, chunk.end, result.samples)
         elif takes_token:  # the chunk's last row chose the token its placeholder stands for
             last = result.samples[-1]
             _fill(request, last.position + 1, last.token_id)
@@ -508,14 +524,15 @@ class LLMEngine:
         self.kv.cache_full_blocks(request, cacheable)
         return request.num_emitted > emitted or request.finished
 
-    def _verify(self, request: Request, samples: list[SampledToken]) -> int:
+    def _verify(self, request: Request, end: int, samples: list[SampledToken]) -> int:
         """Compare canonical tokens with what the request holds; commit, or roll back (DESIGN 3.4).
-        Returns how many leading positions now have canonical K/V."""
+
+        ``samples`` come from the chunk's rows up to ``end`` that choose a token (a large pass
+        leaves out prompt rows before the last). Returns how many leading positions now have
+        canonical K/V that belongs to committed tokens."""
         verified = False
-        canonical = request.n_canon
         for sampled in samples:
             nxt = sampled.position + 1
-            canonical = nxt  # the row's K/V is canonical now
             if nxt < request.num_committed_tokens:
                 if nxt >= request.num_prompt_tokens and request.token_ids[nxt] != sampled.token_id:
                     raise RuntimeError(
@@ -524,7 +541,7 @@ class LLMEngine:
                     )
                 continue
             if request.max_tokens == 0:
-                break
+                return nxt
             held = request.token_ids[nxt]
             rollback = held >= 0 and held != sampled.token_id
             if held >= 0 and not verified:
@@ -544,8 +561,8 @@ class LLMEngine:
                 self.stats.accepted_tokens += 1
             self._emit(request, sampled.logprobs)
             if rollback or request.finished:
-                break
-        return canonical
+                return nxt
+        return end
 
     def _emit(self, request: Request, logprobs: PositionLogprobs | None) -> None:
         """Commit the next held token to the output, then check the stop conditions."""

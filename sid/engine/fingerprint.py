@@ -1,10 +1,11 @@
 """The numerics fingerprint (DESIGN 3.2): same fingerprint + same request => same bits.
 
-It hashes everything that fixes the canonical numerics: the canonical row count, dtype,
-tensor-parallel size, the attention backend's fixed constants, the source of every module
+It hashes everything that fixes the canonical numerics: the canonical row count, the GEMM
+library, dtype, tensor-parallel size, the attention backend's fixed constants, the source of every module
 on the numerics path, library versions, the processor (GPU model, or CPU model, ISA and
 thread count) and a digest of the weights. Engine settings that must *not* matter (KV pool
-size, max_num_seqs, prefix caching, CUDA graphs, verify window, chunk sizes) stay out.
+size, max_num_seqs, prefix caching, CUDA graphs, verify window, chunk sizes, the largest
+canonical pass: the self-test checks that every pass size gives a row the same bits) stay out.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _NUMERICS_SOURCES = (
     "model/decoder.py",
     "model/layers.py",
     "runtime/attention.py",
+    "runtime/blas.py",
     "runtime/distributed.py",
     "runtime/model_runner.py",
     "runtime/sampler.py",

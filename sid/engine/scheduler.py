@@ -6,8 +6,9 @@ chunk), then waiting ones in arrival order, until ``max_num_batched_tokens`` or
 request is preempted: its blocks are freed and it waits again at the head of the queue,
 keeping its committed tokens, to be recomputed (mostly from the prefix cache) later.
 
-Deterministic requests (DESIGN 2-3) put rows into canonical passes of exactly
-``canonical_rows`` rows. Some rows *must* be canonical: prompt positions, recomputation
+Deterministic requests (DESIGN 2-3) put rows into canonical passes of ``M_canon`` rows,
+or of a power-of-two multiple of it (``PassSizes``) when there are many rows: a pass is
+padded to the smallest size that holds it. Some rows *must* be canonical: prompt positions, recomputation
 after preemption, and verification of a full window of proposals. A deterministic
 request in its decode phase is flexible: it can speculate in the fast lane, or decode
 (verifying any proposals it holds) directly in a canonical pass. A cost model picks, per
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from sid.engine.kv_cache import KVCacheManager, cdiv
+from sid.engine.kv_cache import KVCacheManager
 from sid.engine.request import Request, RequestStatus
 
 STRATEGIES = ("auto", "speculate", "direct", "whole")
@@ -60,12 +61,46 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
+class PassSizes:
+    """The row counts a canonical pass may have: ``base`` (``M_canon``) times a power of two,
+    up to ``largest``. A row gets the same bits at every size; the start-up self-test checks
+    that for each size (DESIGN 3.7), so the size of a pass is free to follow the load: prompts
+    run in few large passes, verification in small ones."""
+
+    base: int
+    largest: int
+
+    def __post_init__(self) -> None:
+        if self.base < 1 or self.largest < self.base:
+            raise ValueError(f"canonical pass sizes need 1 <= canonical_rows <= max_canonical_rows, got {self.base} and {self.largest}")
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        sizes = [self.base]
+        while sizes[-1] * 2 <= self.largest:
+            sizes.append(sizes[-1] * 2)
+        return tuple(sizes)
+
+    @property
+    def max(self) -> int:
+        return self.sizes[-1]
+
+    def fit(self, rows: int) -> int:
+        """The smallest size that holds ``rows`` rows."""
+        for size in self.sizes:
+            if size >= rows:
+                return size
+        raise RuntimeError(f"a canonical pass of {rows} rows exceeds the largest size, {self.max}")
+
+
+@dataclass(frozen=True)
 class PassCostModel:
     """Relative time of one forward pass of ``rows`` rows: ``fixed + per_row * rows``.
 
     On a GPU a pass is bound by reading the weights until the GEMMs turn compute-bound,
-    so ``fixed`` dominates (DESIGN 3.5: 128 rows cost ~1.2x one row on an H200); on a CPU
-    rows cost about linearly.
+    so ``fixed`` dominates small passes; past ~200 rows time grows with rows (DESIGN 3.5,
+    Llama-3.1-8B on an H200, relative to one row: 128 rows 1.18, 256 1.58, 512 2.93, 1,024
+    6.30; this model says 1.64, 2.28, 3.56, 6.12). On a CPU rows cost about linearly.
     """
 
     fixed: float
@@ -75,7 +110,7 @@ class PassCostModel:
         return self.fixed + self.per_row * rows if rows else 0.0
 
 
-GPU_COST = PassCostModel(fixed=1.0, per_row=0.0015)
+GPU_COST = PassCostModel(fixed=1.0, per_row=0.005)
 CPU_COST = PassCostModel(fixed=1.0, per_row=0.05)
 
 
@@ -116,7 +151,7 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        canonical_rows: int,
+        canonical: PassSizes,
         verify_window: int,
         strategy: str = "auto",
         cost_model: PassCostModel = CPU_COST,
@@ -126,7 +161,7 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.canonical_rows = canonical_rows
+        self.canonical = canonical
         self.verify_window = verify_window
         self.strategy = strategy
         self.cost_model = cost_model
@@ -243,15 +278,22 @@ class Scheduler:
         self.stats.scheduled_tokens += plan.num_tokens
         return plan
 
+    def _pass_sizes(self, rows: int) -> list[int]:
+        """Sizes of the passes ``_pack`` makes for ``rows`` rows: full largest ones, then the
+        smallest size that holds the rest."""
+        largest = self.canonical.max
+        full, rest = divmod(rows, largest)
+        return [largest] * full + ([self.canonical.fit(rest)] if rest else [])
+
     def _passes_cost(self, rows: int) -> float:
-        return cdiv(rows, self.canonical_rows) * self.cost_model.cost(self.canonical_rows)
+        return sum(self.cost_model.cost(size) for size in self._pass_sizes(rows))
 
     def choose_strategy(self, fast_rows: int, required_rows: int, num_flexible: int, flexible_rows: int) -> str:
         """Cheapest way to run this step's flexible deterministic decodes (DESIGN 3.5)."""
         if self.strategy != "auto":
             return self.strategy
-        m = self.cost_model
-        row_share = m.cost(self.canonical_rows) / self.canonical_rows  # each proposal is verified later
+        m, base = self.cost_model, self.canonical.base
+        row_share = m.cost(base) / base  # each proposal is verified later, in a small pass
         costs = {
             "whole": self._passes_cost(fast_rows + required_rows + flexible_rows),
             "direct": m.cost(fast_rows) + self._passes_cost(required_rows + flexible_rows),
@@ -284,7 +326,8 @@ class Scheduler:
         plan.canonical = self._pack(canonical)
 
     def _pack(self, chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
-        """Fill passes of ``canonical_rows`` rows in order, splitting chunks at pass edges."""
+        """Fill passes of the largest size in order, splitting chunks at pass edges; the
+        runner pads the last one to the smallest size that holds it."""
         passes: list[list[ScheduledChunk]] = []
         room = 0
         for chunk in chunks:
@@ -292,7 +335,7 @@ class Scheduler:
             while start < chunk.end:
                 if room == 0:
                     passes.append([])
-                    room = self.canonical_rows
+                    room = self.canonical.max
                 n = min(room, chunk.end - start)
                 passes[-1].append(ScheduledChunk(chunk.request, start, n))
                 start += n
@@ -300,5 +343,5 @@ class Scheduler:
         used = sum(c.num_tokens for c in chunks)
         self.stats.canonical_passes += len(passes)
         self.stats.canonical_rows_used += used
-        self.stats.canonical_rows_padded += len(passes) * self.canonical_rows - used
+        self.stats.canonical_rows_padded += sum(self._pass_sizes(used)) - used
         return passes

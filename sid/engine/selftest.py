@@ -2,7 +2,8 @@
 
 The same probe positions are computed in canonical passes that differ in everything the
 contract says must not matter: the slot a row sits in, the other rows of the pass, how
-the probe is chunked across passes, and whether its prefix came from the prefix cache.
+the probe is chunked across passes, the size of the pass and of its LM head (every
+``PassSizes`` size the KV pool can fill), and whether its prefix came from the prefix cache.
 Logits, K/V and tokens sampled at temperature > 0 must agree bit for bit; otherwise
 deterministic mode refuses to start, naming what broke.
 """
@@ -38,10 +39,11 @@ class ProbeRun:
 class SelfTest:
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, domain: str, max_model_len: int) -> None:
         self.runner, self.kv, self.domain = runner, kv, domain
-        self.m = runner.canonical_rows
+        self.m = runner.canonical.base
         bs = kv.block_size
         capacity = kv.pool.num_free * bs
-        filler = min(self.m, capacity // 3)
+        # Filler rows crowd the probe's passes, up to the largest pass size the pool allows.
+        filler = max(min(runner.canonical.max, capacity // 2, max_model_len - 1), min(self.m, capacity // 3))
         self.n = min(2 * self.m + 37, max_model_len - 1, capacity - cdiv(filler, bs) * bs)
         if self.n < 2:
             raise DeterminismSelfTestError(f"the KV cache ({capacity} token slots) is too small for the self-test")
@@ -50,36 +52,54 @@ class SelfTest:
         self.filler = torch.randint(0, runner.vocab_size, (filler,), generator=gen).tolist()
         self._ids = count()
 
-    def request(self, tokens: list[int]) -> Request:
-        return Request(
+    @property
+    def sizes(self) -> list[int]:
+        """The pass sizes above ``M_canon`` that the filler can fill."""
+        return [s for s in self.runner.canonical.sizes[1:] if s <= len(self.filler)]
+
+    def request(self, tokens: list[int], prompt_len: int) -> Request:
+        """A request holding ``tokens``, the first ``prompt_len`` as its prompt: rows past the
+        prompt's last choose a token, so a large pass computes their logits."""
+        request = Request(
             request_id=f"selftest-{next(self._ids)}",
             prompt=None,
-            prompt_token_ids=tokens,
+            prompt_token_ids=tokens[:prompt_len],
             params=_PARAMS,
             seed=_PARAMS.seed or 0,
-            max_tokens=1,
+            max_tokens=len(tokens),
             eos_token_ids=frozenset(),
             arrival=0,
             deterministic=True,
             domain=self.domain,
         )
+        request.token_ids.extend(tokens[prompt_len:])
+        request.num_emitted = len(tokens) - prompt_len
+        return request
 
-    def run(self, target: Request, start: int, stop: int, rows: Callable[[int], int], fill: Callable[[int], int]) -> ProbeRun:
-        """Positions ``start .. stop - 1`` of ``target`` in passes of ``fill(i)`` filler rows
-        followed by ``rows(i)`` probe rows; ``target`` must hold its blocks already."""
-        kv, m = self.kv, self.m
-        other = self.request(self.filler)
+    def probe_request(self) -> Request:
+        return self.request(self.probe, 1)
+
+    def run(
+        self, target: Request, start: int, stop: int, size: int, rows: Callable[[int], int], fill: Callable[[int], int]
+    ) -> ProbeRun:
+        """Positions ``start .. stop - 1`` of ``target`` in passes of at most ``size`` rows:
+        ``fill(i)`` rows of a filler prompt (rows that choose no token), then ``rows(i)``
+        probe rows. ``target`` must hold its blocks already."""
+        kv = self.kv
+        other = self.request(self.filler, len(self.filler))
         if not kv.allocate(other, len(self.filler)):
             raise DeterminismSelfTestError("the KV cache is too small for the self-test")
         out = ProbeRun()
         pos, used, i = start, 0, 0
         while pos < stop:
             chunks = []
-            f = min(fill(i), len(self.filler) - used, m - 1)
+            f = max(0, min(fill(i), size - 1, len(self.filler) - 1))
+            if used + f >= len(self.filler):
+                used = 0  # start the filler over: its rows compute the same K/V again
             if f > 0:
                 chunks.append(ScheduledChunk(other, used, f))
                 used += f
-            k = min(rows(i), stop - pos, m - f)
+            k = min(rows(i), stop - pos, size - f)
             chunks.append(ScheduledChunk(target, pos, k))
             blocks = [kv.block_ids(c.request) for c in chunks]
             res = self.runner.execute(chunks, blocks, canonical=True, keep_logits=True)[-1]
@@ -97,11 +117,11 @@ class SelfTest:
         kv.free(other)
         return out
 
-    def fresh(self, rows: Callable[[int], int], fill: Callable[[int], int]) -> ProbeRun:
-        target = self.request(self.probe)
+    def fresh(self, size: int, rows: Callable[[int], int], fill: Callable[[int], int]) -> ProbeRun:
+        target = self.probe_request()
         if not self.kv.allocate(target, self.n):
             raise DeterminismSelfTestError("the KV cache is too small for the self-test")
-        out = self.run(target, 0, self.n, rows, fill)
+        out = self.run(target, 0, self.n, size, rows, fill)
         self.kv.free(target)
         return out
 
@@ -109,32 +129,40 @@ class SelfTest:
         """Compute the probe's first half, then the rest on top of its cached blocks."""
         kv, bs, m = self.kv, self.kv.block_size, self.m
         half = (self.n // 2 // bs) * bs
-        first = self.request(self.probe)
+        first = self.probe_request()
         assert kv.allocate(first, half)
-        self.run(first, 0, half, lambda i: m, lambda i: 0)
+        self.run(first, 0, half, m, lambda i: m, lambda i: 0)
         first.n_canon = first.num_computed_tokens = half
         kv.cache_full_blocks(first, half)
-        second = self.request(self.probe)
+        second = self.probe_request()
         cached = kv.find_cached_prefix(second)
         kv.free(first)
         if len(cached) * bs != half:
             raise DeterminismSelfTestError(f"the prefix cache returned {len(cached)} blocks for a {half}-token prefix")
         assert kv.allocate(second, self.n, cached)
-        out = self.run(second, half, self.n, lambda i: m - 2, lambda i: 2)
+        out = self.run(second, half, self.n, m, lambda i: m - 2, lambda i: 2)
         kv.free(second)
         return out, half
 
 
-def self_test(runner: ModelRunner, kv: KVCacheManager, domain: str, max_model_len: int) -> None:
-    """Raise ``DeterminismSelfTestError`` unless canonical rows are independent."""
+def self_test(runner: ModelRunner, kv: KVCacheManager, domain: str, max_model_len: int) -> int:
+    """Raise ``DeterminismSelfTestError`` unless canonical rows are independent; returns the
+    largest pass size checked (the engine uses no larger one)."""
     test = SelfTest(runner, kv, domain, max_model_len)
-    alone = test.fresh(lambda i: test.m, lambda i: 0)
-    crowded = test.fresh(lambda i: (7, 13, 29, 5)[i % 4], lambda i: (3, 11, 1, 6)[i % 4])
+    m = test.m
+    alone = test.fresh(m, lambda i: m, lambda i: 0)
+    crowded = test.fresh(m, lambda i: (7, 13, 29, 5)[i % 4], lambda i: (3, 11, 1, 6)[i % 4])
     _compare(alone, crowded, range(test.n), "other rows in the pass, other slots and other chunking")
+    # Two passes per size, each filled to (nearly) ``size`` rows with filler, whose probe rows
+    # alone choose tokens: the LM head runs on fewer rows, at a size of its own.
+    half = cdiv(test.n, 2)
+    for size in test.sizes:
+        sized = test.fresh(size, lambda i: half, lambda i, size=size: size - half - 7 * i)
+        _compare(alone, sized, range(test.n), f"a pass of {size} rows instead of {m}")
     if kv.enable_prefix_caching and test.n >= 2 * kv.block_size:
         cached, half = test.on_cached_prefix()
         _compare(alone, cached, range(half, test.n), "its prefix taken from the prefix cache")
-
+    return max([m, *test.sizes])
 
 def _compare(ref: ProbeRun, other: ProbeRun, positions: range, what: str) -> None:
     for p in positions:

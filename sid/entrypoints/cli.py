@@ -25,6 +25,10 @@ def _add_engine_args(p: argparse.ArgumentParser, model_option: bool = True) -> N
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-determinism", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--canonical-rows", type=int, default=None)
+    p.add_argument(
+        "--max-canonical-rows", type=int, default=None,
+        help="largest canonical pass, canonical-rows times a power of two (default: 2048 on GPU, 256 on CPU)",
+    )
     p.add_argument("--verify-window", type=int, default=8)
     p.add_argument("--determinism-strategy", default="auto", choices=["auto", "speculate", "direct", "whole"])
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
@@ -37,8 +41,8 @@ def _add_engine_args(p: argparse.ArgumentParser, model_option: bool = True) -> N
 _ENGINE_FIELDS = (
     "device", "dtype", "max_model_len", "load_format", "enforce_eager", "tensor_parallel_size",
     "gpu_memory_utilization", "num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
-    "enable_prefix_caching", "enable_determinism", "canonical_rows", "verify_window", "determinism_strategy",
-    "attention_backend", "async_scheduling",
+    "enable_prefix_caching", "enable_determinism", "canonical_rows", "max_canonical_rows", "verify_window",
+    "determinism_strategy", "attention_backend", "async_scheduling",
 )
 
 
@@ -110,6 +114,7 @@ def _repro(args: argparse.Namespace) -> int:
         "dtype": str(engine.dtype),
         "fingerprint": engine.fingerprint,
         "canonical_rows": engine.canonical_rows,
+        "canonical_sizes": list(engine.canonical.sizes),
         "verify_window": engine.config.verify_window,
         "max_tokens": args.max_tokens,
         "trials": args.trials,

@@ -1,4 +1,4 @@
-"""CUDA graphs: the fast lane's decode steps, one per batch-size bucket, and the canonical pass.
+"""CUDA graphs: the fast lane's decode steps, one per batch-size bucket, and canonical passes.
 
 A decode step or a canonical pass launches a few hundred small kernels; replaying a captured
 graph removes the launch gaps. Every graph reads the same static input buffers (a pass's
@@ -9,7 +9,7 @@ capture; rows with shorter contexts skip the empty tiles. Sampling stays outside
 * A decode graph of bucket ``b`` runs ``b`` one-row sequences; rows past the step's are
   padding that writes nothing.
 * The canonical graph (DESIGN 3.1) runs exactly ``canonical_rows`` rows, as the eager
-  canonical pass does, over ``canonical_rows + 1`` sequence slots (a pass has at most one
+  canonical pass of that size does (larger canonical passes, mostly prompts, run eagerly), over ``canonical_rows + 1`` sequence slots (a pass has at most one
   sequence per row plus the padding sequence); unused slots have no query rows, so the
   attention kernel skips them. Its schedule depends on positions only, so replaying it gives
   the eager canonical pass's bits (tests/test_gpu.py checks this).
@@ -17,6 +17,7 @@ capture; rows with shorter contexts skip the empty tiles. Sampling stays outside
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +26,9 @@ from sid.model.decoder import CausalLM
 from sid.runtime.attention import AttentionMetadata, PagedKVCache
 from sid.runtime.transfer import padded_table, upload
 
-CANONICAL = 0
-"""Key of the canonical graph (decode buckets are keyed by their batch size, >= 1)."""
+def canonical_key(rows: int) -> int:
+    """Key of the canonical graph of ``rows`` rows (decode buckets are keyed by their batch size, >= 1)."""
+    return -rows
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -53,7 +55,7 @@ class CUDAGraphs:
         kv_cache: PagedKVCache,
         *,
         max_batch: int,
-        canonical_rows: int | None,
+        canonical_sizes: Sequence[int] = (),
         max_blocks: int,
         max_seq_len: int,
     ) -> None:
@@ -61,8 +63,8 @@ class CUDAGraphs:
         self.max_seq_len = max_seq_len
         self.buckets = decode_buckets(max_batch)
         self.shapes = {b: GraphShape(b, b, False) for b in self.buckets}
-        if canonical_rows is not None:
-            self.shapes[CANONICAL] = GraphShape(canonical_rows, canonical_rows + 1, True)
+        for size in canonical_sizes:
+            self.shapes[canonical_key(size)] = GraphShape(size, size + 1, True)
         device = kv_cache.k[0].device
         rows = max(s.rows for s in self.shapes.values())
         seqs = max(s.seqs for s in self.shapes.values())
@@ -75,9 +77,8 @@ class CUDAGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
-    @property
-    def has_canonical(self) -> bool:
-        return CANONICAL in self.shapes
+    def has_canonical(self, rows: int) -> bool:
+        return canonical_key(rows) in self.shapes
 
     def _meta(self, shape: GraphShape) -> AttentionMetadata:
         return AttentionMetadata(
@@ -140,10 +141,10 @@ class CUDAGraphs:
         """Copy a pass into the static buffers, padded to its graph; returns the graph's key.
 
         A decode step gives one row per sequence (``query_start_loc`` None); a canonical pass
-        gives exactly ``canonical_rows`` rows, padding rows included.
+        gives exactly its graph's rows, padding rows included.
         """
         n, s = len(input_ids), len(seq_lens)
-        key = CANONICAL if canonical else self.bucket(n)
+        key = canonical_key(n) if canonical else self.bucket(n)
         assert key is not None
         shape = self.shapes[key]
         assert n == shape.rows or not canonical

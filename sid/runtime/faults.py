@@ -2,7 +2,8 @@
 
 Production never sets these. Tests set them to show that (a) the fast lane really is
 perturbed by batch composition yet deterministic outputs do not move, and (b) a canonical
-pass whose rows can see each other makes the start-up self-test refuse.
+pass whose rows can see each other, or whose bits change with its size, makes the start-up
+self-test refuse.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ class Faults:
     """Noise added to fast-lane logits, drawn from a generator seeded by the batch size."""
     canonical_cross_row: float = 0.0
     """Added to canonical logits, scaled by a function of every input token in the pass."""
+    canonical_pass_size: float = 0.0
+    """Added to canonical logits, scaled by the pass's row count: bits that change with its size."""
 
 
 FAULTS = Faults()

@@ -1,10 +1,11 @@
 """Turns a planned pass into tensors, runs the model, and samples.
 
 A *fast* pass has as many rows as it has tokens, computes logits only for rows that need
-them, and attends with the fast schedule. A *canonical* pass (DESIGN 3.1) always has
-exactly ``canonical_rows`` rows (padding rows write nothing), runs the final norm, the LM
-head and sampling on every row, and attends with the canonical schedule, so each row's
-result is a function of its own request and position alone.
+them, and attends with the fast schedule. A *canonical* pass (DESIGN 3.1) is padded to one
+of the canonical sizes (``PassSizes``: ``M_canon`` times a power of two; padding rows write
+nothing), runs the final norm, the LM head and sampling on fixed-size sets of rows, and
+attends with the canonical schedule, so each row's result is a function of its own request
+and position alone.
 
 ``launch`` queues a pass and its sampling without waiting for the GPU; ``collect`` waits for
 the sampled tokens, copied to pinned host memory, and hands them out. Between the two the
@@ -26,7 +27,7 @@ import torch
 
 from sid.engine.kv_cache import cdiv
 from sid.engine.request import Request
-from sid.engine.scheduler import ScheduledChunk
+from sid.engine.scheduler import PassSizes, ScheduledChunk
 from sid.model.decoder import CausalLM
 from sid.outputs import Logprob, PositionLogprobs
 from sid.runtime.attention import AttentionMetadata, PagedKVCache
@@ -63,14 +64,14 @@ class StepInputs:
     query_start_loc: list[int]
     canonical: bool
     logit_rows: list[int] | None
-    """Rows whose logits are computed, in this order; None = every row (a canonical pass)."""
+    """Rows whose logits are computed, in this order; None = every row (an ``M_canon`` canonical pass)."""
 
 
 @dataclass
 class ChunkResult:
     samples: list[SampledToken] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
-    logits: torch.Tensor | None = None  # canonical rows' logits, when asked for (self-test)
+    logits: torch.Tensor | None = None  # a canonical chunk's sampled rows' logits, when asked for (self-test)
 
 
 PLACEHOLDER_STRIDE = 1 << 24
@@ -120,6 +121,10 @@ class PassRows:
     sample_rows: list[tuple[int, int]] = field(default_factory=list)  # (row, chunk)
     token_rows: list[int | None] = field(default_factory=list)  # see LaunchedPass.token_rows
     pad: int = 0
+    logit_rows: list[int] | None = None
+    """Rows whose logits are computed, in this order (sampled rows last); None = every row."""
+    logit_pad: int = 0  # trailing logit rows that stand in for padding (canonical passes)
+    prompt_index: list[int] = field(default_factory=list)  # each prompt row's place among the logit rows
 
 
 @dataclass
@@ -181,14 +186,14 @@ class ModelRunner:
         kv_cache: PagedKVCache,
         block_size: int,
         device: torch.device,
-        canonical_rows: int,
+        canonical: PassSizes,
         workers: TPWorkers | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
-        self.canonical_rows = canonical_rows
+        self.canonical = canonical
         self.vocab_size = model.cfg.vocab_size
         self.graphs: CUDAGraphs | None = None
         self.workers = workers
@@ -275,28 +280,52 @@ class ModelRunner:
         return self.collect(self.launch(chunks, block_ids, canonical=canonical, keep_logits=keep_logits))
 
     def _rows(self, chunks: Sequence[ScheduledChunk], canonical: bool) -> PassRows:
-        """What each row of the pass is: its token and position, and which rows give logits."""
+        """What each row of the pass is: its token and position, and which rows give logits.
+
+        A canonical pass of ``M_canon`` rows, or of a size a graph replays, computes every
+        row's logits. A larger one (long prompts) leaves out rows that choose no token (prompt
+        positions before the last) and runs the LM head on the rest, padded to a pass size of
+        its own: it gives those rows the same bits (rows are independent at every size), and
+        a pass inside a long prompt skips the LM head and sampling altogether.
+        """
         rows = PassRows()
+        num_rows = sum(c.num_tokens for c in chunks)
+        size = self.canonical.fit(num_rows) if canonical else num_rows
+        every_row = canonical and (size == self.canonical.base or self._graphed(size))
         for i, chunk in enumerate(chunks):
             r = chunk.request
             row0 = len(rows.input_ids)
             rows.input_ids.extend(r.token_ids[chunk.start : chunk.end])
             rows.positions.extend(range(chunk.start, chunk.end))
+            first_choice = r.num_prompt_tokens - 1  # the first position that chooses a token
             if r.wants_prompt_logprobs:
                 first = max(chunk.start, len(r.prompt_logprobs or ()) - 1)
                 for p in range(first, min(chunk.end, r.num_prompt_tokens - 1)):
                     rows.prompt_rows.append((row0 + p - chunk.start, r.token_ids[p + 1], i))
+                first_choice = min(first_choice, first)
             if canonical:
-                rows.sample_rows.extend((row0 + k, i) for k in range(chunk.num_tokens))
+                skip = 0 if every_row else min(chunk.num_tokens, max(0, first_choice - chunk.start))
+                rows.sample_rows.extend((row0 + k, i) for k in range(skip, chunk.num_tokens))
             elif chunk.samples and r.num_output_tokens < r.max_tokens:
                 rows.sample_rows.append((row0 + chunk.num_tokens - 1, i))
             last = rows.sample_rows[-1] if rows.sample_rows else None
             rows.token_rows.append(len(rows.sample_rows) - 1 if last is not None and last[1] == i else None)
-        rows.pad = self.canonical_rows - len(rows.input_ids) if canonical else 0
-        if rows.pad < 0:
-            raise RuntimeError(f"canonical pass of {len(rows.input_ids)} rows exceeds canonical_rows={self.canonical_rows}")
+        rows.pad = size - num_rows
         rows.input_ids.extend([0] * rows.pad)
         rows.positions.extend(range(rows.pad))
+        prompt = [row for row, _, _ in rows.prompt_rows]
+        if not canonical:
+            rows.logit_rows = prompt + [row for row, _ in rows.sample_rows]
+            rows.prompt_index = list(range(len(prompt)))
+        elif every_row:
+            rows.logit_pad = rows.pad
+            rows.prompt_index = prompt
+        else:
+            head = [row for row, _ in rows.sample_rows]
+            rows.logit_pad = self.canonical.fit(len(head)) - len(head) if head else 0
+            rows.logit_rows = head + [size - 1] * rows.logit_pad
+            where = {row: k for k, row in enumerate(head)}
+            rows.prompt_index = [where[row] for row in prompt]
         return rows
 
     @torch.inference_mode()
@@ -314,21 +343,20 @@ class ModelRunner:
         Input tokens the host holds as placeholders are taken from ``feed`` on the device.
         """
         rows = self._rows(chunks, canonical)
-        input_ids, positions, prompt_rows, sample_rows, pad = (
-            rows.input_ids, rows.positions, rows.prompt_rows, rows.sample_rows, rows.pad
+        input_ids, positions, prompt_rows, sample_rows, index = (
+            rows.input_ids, rows.positions, rows.prompt_rows, rows.sample_rows, rows.logit_rows
         )
         fed = TokenFeed.check(input_ids, feed)
-        layout = self._layout(chunks, block_ids, pad)
+        layout = self._layout(chunks, block_ids, rows.pad)
         launched = LaunchedPass(list(chunks), canonical, sample_rows, rows.token_rows, positions, [i for _, _, i in prompt_rows])
-        sampled_rows = [(chunks[i].request, positions[row]) for row, i in sample_rows] + [(None, 0)] * pad
+        sampled_rows = [(chunks[i].request, positions[row]) for row, i in sample_rows] + [(None, 0)] * rows.logit_pad
         # Uploaded before the pass is launched: copies issued after it would wait for the GPU.
         batch = self._sampling_batch(sampled_rows) if sampled_rows else None
-        index = None if canonical else [row for row, _, _ in prompt_rows] + [row for row, _ in sample_rows]
-        prompt_index = list(range(len(prompt_rows))) if not canonical else [row for row, _, _ in prompt_rows]
         targets, prompt_index_t = (
-            upload(self.device, [[t for _, t, _ in prompt_rows], prompt_index], torch.int64) if prompt_rows else (None, None)
+            upload(self.device, [[t for _, t, _ in prompt_rows], rows.prompt_index], torch.int64) if prompt_rows else (None, None)
         )
         if self._graph_runs(canonical, prompt_rows, len(input_ids), len(chunks)):
+            assert not canonical or index is None  # the canonical graph computes every row's logits
             # A decode graph computes every row's logits; keep the sampled rows (usually all).
             gather = None if index is None or index == list(range(len(index))) else upload(self.device, [index], torch.int64)[0]
             key = self.graphs.load(input_ids, positions, *layout, canonical=canonical)  # type: ignore[union-attr]
@@ -346,12 +374,14 @@ class ModelRunner:
         if canonical:
             if FAULTS.canonical_cross_row:
                 logits = logits + FAULTS.canonical_cross_row * float(sum(input_ids) % 7)
+            if FAULTS.canonical_pass_size:
+                logits = logits + FAULTS.canonical_pass_size * len(input_ids)
             sample_logits = logits
             if keep_logits:
-                first = 0
-                for chunk in chunks:
-                    launched.logits.append(logits[first : first + chunk.num_tokens].clone())
-                    first += chunk.num_tokens
+                owners = [i for _, i in sample_rows]
+                for i in range(len(chunks)):
+                    mine = [k for k, owner in enumerate(owners) if owner == i]
+                    launched.logits.append(logits[mine[0] : mine[-1] + 1].clone() if mine else logits[:0].clone())
         else:
             logits = self._fast_lane_faults(logits, len(input_ids))
             sample_logits = logits[len(prompt_rows) :]
@@ -386,13 +416,17 @@ class ModelRunner:
                 results[i].samples.append(SampledToken(positions[row], tokens[k], lp))
         return results
 
+    def _graphed(self, canonical_size: int) -> bool:
+        return self.graphs is not None and self.graphs.has_canonical(canonical_size)
+
     def _graph_runs(self, canonical: bool, prompt_rows: list[tuple[int, int, int]], num_rows: int, num_seqs: int) -> bool:
-        """Whether a captured graph computes this pass: every canonical pass, and decode-only
-        fast steps (one row per sequence, no prompt logprobs) up to the largest bucket."""
+        """Whether a captured graph computes this pass: canonical passes of a captured size,
+        and decode-only fast steps (one row per sequence, no prompt logprobs) up to the
+        largest bucket."""
+        if canonical:
+            return self._graphed(num_rows)
         if self.graphs is None:
             return False
-        if canonical:
-            return self.graphs.has_canonical
         return not prompt_rows and num_rows == num_seqs and self.graphs.bucket(num_rows) is not None
 
     @torch.inference_mode()

@@ -29,9 +29,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from sid.engine.scheduler import PassSizes
 from sid.model.config import ModelConfig
 from sid.model.loader import build_model
 from sid.runtime.attention import PagedKVCache, get_backend
+from sid.runtime.blas import use_row_invariant_gemms
 from sid.runtime.distributed import COLLECTIVE_TIMEOUT, KV_CACHE, STEP, STOP, ControlChannel, TPGroup, init_groups
 from sid.runtime.model_runner import ModelRunner, StepInputs
 
@@ -59,7 +61,7 @@ class WorkerSpec:
     max_positions: int
     block_size: int
     attention_backend: str
-    canonical_rows: int
+    canonical: PassSizes
     num_threads: int
     """Threads per rank: every rank's CPU GEMMs use the count the fingerprint records."""
     size: int
@@ -84,6 +86,7 @@ def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore) -> None:
     device = spec.device(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    use_row_invariant_gemms(device)
     store.set(f"{_KEY}/joined/{rank}", "1")
     control = ControlChannel(init_groups(store, rank, spec.size, device))
     path = Path(spec.model)
@@ -108,7 +111,7 @@ def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore) -> None:
             assert isinstance(arg, int)
             runner = None  # free the old cache before allocating the new one
             cache = PagedKVCache.for_model(backend, model, arg, spec.block_size, spec.dtype, device)
-            runner = ModelRunner(model, cache, spec.block_size, device, spec.canonical_rows)
+            runner = ModelRunner(model, cache, spec.block_size, device, spec.canonical)
         else:
             assert kind == STEP and isinstance(arg, StepInputs) and runner is not None
             runner.forward(arg)
