@@ -60,8 +60,8 @@ step() {
 
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee "$RES/summary.txt"
 # The device's copy of the tree carries a stale .git: name the sources by their digest
-# (here: find sid -name '*.py' | sort | xargs cat | sha1sum) to match a run with a commit.
-echo "sources $(find sid -name '*.py' | sort | xargs cat | sha1sum | cut -c1-12)" | tee -a "$RES/summary.txt"
+# (here: find sid -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum) to match a run with a commit.
+echo "sources $(find sid -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)" | tee -a "$RES/summary.txt"
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from common import model_dir; model_dir('llama-3.1-8b'); model_dir('qwen3-0.6b')"
 for s in "${@:-tests throughput_qwen decode_roofline throughput_llama}"; do
   for one in $s; do step "$one"; done

@@ -1,5 +1,6 @@
 """Tensor parallelism on the CPU (gloo): same tokens and logits as one rank, determinism at
 TP=2 and TP=4, and a dead worker that fails the engine quickly instead of hanging it.
+Every engine is pinned to the CPU, so a GPU host runs these float32 checks as CI does.
 
 Every engine here is shut down before the next starts: one process holds one group.
 """
@@ -28,7 +29,7 @@ from tests.test_models import PROMPTS, assert_close, hf_logits, record_logits
 @contextmanager
 def tp_llm(path: Path, tp: int, **kwargs: object) -> Iterator[LLM]:
     """An LLM at ``tp`` ranks whose workers are gone (checked) once the block ends."""
-    llm = LLM(str(path), tensor_parallel_size=tp, **kwargs)
+    llm = LLM(str(path), tensor_parallel_size=tp, device="cpu", **kwargs)
     workers = llm.llm_engine.workers
     assert workers is not None and len(workers.procs) == tp - 1
     try:
@@ -45,7 +46,7 @@ def test_tp2_greedy_tokens_equal_tp1_on_the_trained_model(trained_model: Path) -
     prompts += ["".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(k, k + 60)) for k in (0, 100)]
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     settings = dict(num_kv_blocks=256, max_num_batched_tokens=2048)
-    one = LLM(str(trained_model), **settings)
+    one = LLM(str(trained_model), device="cpu", **settings)
     expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
     with tp_llm(trained_model, 2, **settings) as two:
         engine = two.llm_engine
@@ -95,7 +96,7 @@ def test_self_test_refuses_at_tp2_and_stops_the_workers(
 ) -> None:
     monkeypatch.setattr(FAULTS, "canonical_cross_row", 1e-3)
     with pytest.raises(DeterminismSelfTestError, match="not independent"):
-        LLM(str(checkpoints["qwen2"]), num_kv_blocks=64, tensor_parallel_size=2)
+        LLM(str(checkpoints["qwen2"]), num_kv_blocks=64, tensor_parallel_size=2, device="cpu")
     assert not dist.is_initialized()
 
 
@@ -118,5 +119,5 @@ def test_killed_worker_fails_the_next_step_within_seconds(checkpoints: dict[str,
 
 def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(trained_model: Path) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's attention heads"):
-        LLM(str(trained_model), tensor_parallel_size=4)
+        LLM(str(trained_model), tensor_parallel_size=4, device="cpu")
     assert not dist.is_initialized()

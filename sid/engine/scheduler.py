@@ -95,24 +95,26 @@ class PassSizes:
 
 @dataclass(frozen=True)
 class PassCostModel:
-    """Relative time of one forward pass of ``rows`` rows: ``fixed + per_row * rows``.
+    """Relative time of one forward pass of ``rows`` rows: ``max(1, rows / knee)``, times
+    ``canonical_factor`` for a canonical pass (its attention schedule, eager launches).
 
-    On a GPU a pass is bound by reading the weights until the GEMMs turn compute-bound,
-    so ``fixed`` dominates small passes; past ~200 rows time grows with rows (DESIGN 3.5,
-    Llama-3.1-8B on an H200, relative to one row: 128 rows 1.18, 256 1.58, 512 2.93, 1,024
-    6.30; this model says 1.64, 2.28, 3.56, 6.12). On a CPU rows cost about linearly.
+    On a GPU a pass is bound by reading the weights until the GEMMs turn compute-bound near
+    ``knee`` rows (DESIGN 3.5, Llama-3.1-8B on an H200, relative to one row: 128 rows 1.18,
+    256 1.58, 512 2.93, 1,024 6.30; this model says 1, 1.33, 2.67, 5.33). On a CPU rows
+    cost about linearly beyond a few.
     """
 
-    fixed: float
-    per_row: float
+    knee: int
+    canonical_factor: float = 1.05
 
-    def cost(self, rows: int) -> float:
-        return self.fixed + self.per_row * rows if rows else 0.0
+    def cost(self, rows: int, canonical: bool = False) -> float:
+        if not rows:
+            return 0.0
+        return max(1.0, rows / self.knee) * (self.canonical_factor if canonical else 1.0)
 
 
-GPU_COST = PassCostModel(fixed=1.0, per_row=0.005)
-CPU_COST = PassCostModel(fixed=1.0, per_row=0.05)
-
+GPU_COST = PassCostModel(knee=192)
+CPU_COST = PassCostModel(knee=8)
 
 @dataclass
 class SchedulerStats:
@@ -286,18 +288,22 @@ class Scheduler:
         return [largest] * full + ([self.canonical.fit(rest)] if rest else [])
 
     def _passes_cost(self, rows: int) -> float:
-        return sum(self.cost_model.cost(size) for size in self._pass_sizes(rows))
+        return sum(self.cost_model.cost(size, canonical=True) for size in self._pass_sizes(rows))
 
     def choose_strategy(self, fast_rows: int, required_rows: int, num_flexible: int, flexible_rows: int) -> str:
-        """Cheapest way to run this step's flexible deterministic decodes (DESIGN 3.5)."""
+        """Cheapest way to run this step's flexible deterministic decodes (DESIGN 3.5).
+
+        Speculating costs a fast row now and, later, a share of the pass that verifies the
+        window: ``num_flexible`` windows of ``W + 1`` rows every ``W`` steps."""
         if self.strategy != "auto":
             return self.strategy
-        m, base = self.cost_model, self.canonical.base
-        row_share = m.cost(base) / base  # each proposal is verified later, in a small pass
+        m, w = self.cost_model, self.verify_window
         costs = {
             "whole": self._passes_cost(fast_rows + required_rows + flexible_rows),
             "direct": m.cost(fast_rows) + self._passes_cost(required_rows + flexible_rows),
-            "speculate": m.cost(fast_rows + num_flexible) + self._passes_cost(required_rows) + num_flexible * row_share,
+            "speculate": m.cost(fast_rows + num_flexible)
+            + self._passes_cost(required_rows)
+            + self._passes_cost(num_flexible * (w + 1)) / w,
         }
         return min(costs, key=costs.__getitem__)
 

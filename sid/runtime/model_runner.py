@@ -64,7 +64,7 @@ class StepInputs:
     query_start_loc: list[int]
     canonical: bool
     logit_rows: list[int] | None
-    """Rows whose logits are computed, in this order; None = every row (an ``M_canon`` canonical pass)."""
+    """Rows whose logits are computed, in this order; None = every row (a small canonical pass)."""
 
 
 @dataclass
