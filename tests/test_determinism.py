@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from sid import LLM, SamplingParams
 from sid.engine.engine import DEFAULT_DETERMINISTIC_SEED
+from sid.engine.request import Request
 from sid.engine.router import RequestContext, Router, RouterPolicy, Rule
+from sid.engine.scheduler import PassSizes, ScheduledChunk
 from sid.engine.selftest import DeterminismSelfTestError
 from sid.repro import Repro, summarize
 from sid.runtime.faults import FAULTS
@@ -118,6 +121,24 @@ def test_auto_strategy_follows_the_cost_model(trained_model: Path) -> None:
     assert sched.choose_strategy(fast_rows=200, required_rows=10, num_flexible=4, flexible_rows=4) == "whole"
     sched.cost_model = CPU_COST
     assert sched.choose_strategy(fast_rows=20, required_rows=0, num_flexible=2, flexible_rows=2) == "speculate"
+
+
+def test_canonical_rows_are_packed_into_the_fewest_passes_of_checked_sizes(trained_model: Path) -> None:
+    sizes = PassSizes(32, 300)
+    assert sizes.sizes == (32, 64, 128, 256) and sizes.fit(1) == 32 and sizes.fit(33) == 64
+    with pytest.raises(RuntimeError, match="exceeds the largest size"):
+        sizes.fit(257)
+    with pytest.raises(ValueError, match="max_canonical_rows"):
+        LLM(str(trained_model), num_kv_blocks=64, max_canonical_rows=16)
+    sched = LLM(str(trained_model), num_kv_blocks=64).llm_engine.scheduler
+    assert sched.canonical.sizes == (32, 64, 128, 256)
+    prompt = Request("r", None, list(range(300)), det(), 0, 1, frozenset(), 0, deterministic=True)
+    before = replace(sched.stats)
+    passes = sched._pack([ScheduledChunk(prompt, 0, 290), ScheduledChunk(prompt, 290, 10)])
+    assert [sum(c.num_tokens for c in p) for p in passes] == [256, 44]  # run as passes of 256 and 64 rows
+    assert [(c.start, c.end) for p in passes for c in p] == [(0, 256), (256, 290), (290, 300)]
+    assert sched.stats.canonical_passes - before.canonical_passes == 2
+    assert sched.stats.canonical_rows_padded - before.canonical_rows_padded == 20
 
 
 def test_canonical_prefix_blocks_are_reused_and_fast_blocks_never_read(trained_model: Path) -> None:

@@ -8,11 +8,12 @@ keeping its committed tokens, to be recomputed (mostly from the prefix cache) la
 
 Deterministic requests (DESIGN 2-3) put rows into canonical passes of ``M_canon`` rows,
 or of a power-of-two multiple of it (``PassSizes``) when there are many rows: a pass is
-padded to the smallest size that holds it. Some rows *must* be canonical: prompt positions, recomputation
-after preemption, and verification of a full window of proposals. A deterministic
-request in its decode phase is flexible: it can speculate in the fast lane, or decode
-(verifying any proposals it holds) directly in a canonical pass. A cost model picks, per
-step, among speculating, decoding directly, and running the whole step canonically.
+padded to the smallest size that holds it. Some rows *must* be canonical: prompt
+positions, recomputation after preemption, and verification of a full window of
+proposals. A deterministic request in its decode phase is flexible: it can speculate in
+the fast lane, or decode (verifying any proposals it holds) directly in a canonical pass.
+A cost model picks, per step, among speculating, decoding directly, and running the whole
+step canonically.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ class PassSizes:
 
     def __post_init__(self) -> None:
         if self.base < 1 or self.largest < self.base:
-            raise ValueError(f"canonical pass sizes need 1 <= canonical_rows <= max_canonical_rows, got {self.base} and {self.largest}")
+            raise ValueError(
+                f"canonical pass sizes need 1 <= canonical_rows <= max_canonical_rows, got {self.base} and {self.largest}"
+            )
 
     @property
     def sizes(self) -> tuple[int, ...]:
