@@ -176,7 +176,7 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling_for(self.device)
         if config.enable_determinism:
             checked = self_test(self.runner, self.kv, self.canonical_domain, self.max_model_len)
-            self.canonical = PassSizes(self.canonical.base, checked)  # no pass size goes unchecked
+            self.canonical = PassSizes(self.canonical.base, checked)  # no size goes unchecked
             self.scheduler.canonical = self.runner.canonical = self.canonical
             self.kv.stats = PrefixCacheStats()
 
@@ -412,6 +412,7 @@ class LLMEngine:
             "preemptions": sched.preemptions,
             "scheduled_tokens": sched.scheduled_tokens,
             "canonical_passes": sched.canonical_passes,
+            "canonical_pass_sizes": list(self.canonical.sizes),
             "canonical_rows_used": sched.canonical_rows_used,
             "canonical_rows_padded": sched.canonical_rows_padded,
             "strategy_choices": dict(sched.strategy_choices),
