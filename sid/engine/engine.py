@@ -81,7 +81,6 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         self.canonical = config.canonical_sizes_for(self.device)
         self.blas = use_row_invariant_gemms(self.device)
-        self.canonical_rows = self.canonical.base
         cuda = self.device.type == "cuda"
         # Bytes other engines held when this one started: KV sizing leaves them out.
         self._memory_baseline = torch.cuda.memory_allocated(self.device) if cuda else 0
@@ -92,6 +91,11 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def canonical_rows(self) -> int:
+        """``M_canon``, the smallest canonical pass."""
+        return self.canonical.base
 
     def _start_workers(self, max_positions: int) -> TPWorkers | None:
         """Spawn ranks 1..N-1 (None at TP=1); the checks that need no model run first."""

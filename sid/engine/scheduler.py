@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from sid.engine.kv_cache import KVCacheManager
 from sid.engine.request import Request, RequestStatus
@@ -77,7 +78,7 @@ class PassSizes:
                 f"canonical pass sizes need 1 <= canonical_rows <= max_canonical_rows, got {self.base} and {self.largest}"
             )
 
-    @property
+    @cached_property
     def sizes(self) -> tuple[int, ...]:
         sizes = [self.base]
         while sizes[-1] * 2 <= self.largest:

@@ -18,6 +18,7 @@ samples. The workers' runners only ever run ``forward``.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -377,11 +378,12 @@ class ModelRunner:
             if FAULTS.canonical_pass_size:
                 logits = logits + FAULTS.canonical_pass_size * len(input_ids)
             sample_logits = logits
-            if keep_logits:
-                owners = [i for _, i in sample_rows]
+            if keep_logits:  # a chunk's sampled rows are consecutive, in chunk order
+                counts = Counter(i for _, i in sample_rows)
+                first = 0
                 for i in range(len(chunks)):
-                    mine = [k for k, owner in enumerate(owners) if owner == i]
-                    launched.logits.append(logits[mine[0] : mine[-1] + 1].clone() if mine else logits[:0].clone())
+                    launched.logits.append(logits[first : first + counts[i]].clone())
+                    first += counts[i]
         else:
             logits = self._fast_lane_faults(logits, len(input_ids))
             sample_logits = logits[len(prompt_rows) :]
