@@ -44,8 +44,10 @@ class EngineConfig:
     enable_determinism: bool = True
     canonical_rows: int | None = None
     max_canonical_rows: int | None = None
-    """Largest canonical pass (``canonical_rows`` times a power of two); None = 2048 rows on
-    a GPU, 256 on a CPU (16x and 8x ``M_canon``)."""
+    """Largest canonical pass; None = 2048 rows on a GPU, 256 on a CPU (16x and 8x ``M_canon``)."""
+    canonical_sizes_per_octave: int | None = None
+    """Canonical pass sizes per doubling above ``M_canon``; None = 8 on a GPU (128, 144, ...,
+    240, 256, 288, ...: a pass of 130 rows runs as 144), 1 on a CPU (32, 64, 128, 256)."""
     verify_window: int = 8
     determinism_strategy: str = "auto"
     router_policy: Any = None
@@ -63,8 +65,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.canonical_rows is not None and self.canonical_rows < 1:
             raise ValueError(f"canonical_rows must be >= 1, got {self.canonical_rows}")
-        if self.max_canonical_rows is not None and self.max_canonical_rows < 1:
-            raise ValueError(f"max_canonical_rows must be >= 1, got {self.max_canonical_rows}")
+        for name in ("max_canonical_rows", "canonical_sizes_per_octave"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size=1: the workers would need the sampled tokens")
         if self.verify_window < 1:
@@ -79,11 +82,14 @@ class EngineConfig:
         return device
 
     def canonical_sizes_for(self, device: torch.device) -> PassSizes:
-        """``M_canon``: 128 rows on a GPU (a pass costs about one decode step), 32 on a CPU;
-        larger passes carry prompts and whole steps in few launches."""
+        """``M_canon``: 128 rows on a GPU (a pass costs about one decode step; cuBLASLt gives
+        rows the bits of a 128-row pass at every size from 128 on, not below), 32 on a CPU.
+        Larger passes carry prompts and whole steps in few launches; on a GPU they are finely
+        spaced, so a whole canonical step is padded about as much as a fast-lane graph."""
         cuda = device.type == "cuda"
         base = self.canonical_rows or (128 if cuda else 32)
-        return PassSizes(base, self.max_canonical_rows or (16 if cuda else 8) * base)
+        largest = self.max_canonical_rows or (16 if cuda else 8) * base
+        return PassSizes.grid(base, largest, self.canonical_sizes_per_octave or (8 if cuda else 1))
 
     def async_scheduling_for(self, device: torch.device) -> bool:
         """Overlap pays only where kernels run asynchronously to the host; under tensor

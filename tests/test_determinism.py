@@ -20,7 +20,7 @@ from sid import LLM, SamplingParams
 from sid.engine.engine import DEFAULT_DETERMINISTIC_SEED
 from sid.engine.request import Request
 from sid.engine.router import RequestContext, Router, RouterPolicy, Rule
-from sid.engine.scheduler import PassSizes, ScheduledChunk
+from sid.engine.scheduler import PassSizes, ScheduledChunk, StepPlan, _Demand
 from sid.engine.selftest import DeterminismSelfTestError
 from sid.repro import Repro, summarize
 from sid.runtime.faults import FAULTS
@@ -125,12 +125,17 @@ def test_auto_strategy_follows_the_cost_model(trained_model: Path) -> None:
 
 
 def test_canonical_rows_are_packed_into_the_fewest_passes_of_checked_sizes(trained_model: Path) -> None:
-    sizes = PassSizes(32, 300)
+    sizes = PassSizes.grid(32, 300)
     assert sizes.sizes == (32, 64, 128, 256) and sizes.fit(1) == 32 and sizes.fit(33) == 64
     with pytest.raises(RuntimeError, match="exceeds the largest size"):
         sizes.fit(257)
+    fine = PassSizes.grid(128, 2048, per_octave=8)
+    assert fine.sizes[:10] == (*range(128, 272, 16), 288) and fine.sizes[-3:] == (1792, 1920, 2048)
+    assert fine.fit(130) == 144 and fine.fit(257) == 288 and fine.fit(1000) == 1024 and len(fine.sizes) == 33
     with pytest.raises(ValueError, match="max_canonical_rows"):
         LLM(str(trained_model), num_kv_blocks=64, max_canonical_rows=16)
+    with pytest.raises(ValueError, match="canonical_sizes_per_octave must divide"):
+        LLM(str(trained_model), num_kv_blocks=64, canonical_sizes_per_octave=3)
     sched = LLM(str(trained_model), num_kv_blocks=64).llm_engine.scheduler
     assert sched.canonical.sizes == (32, 64, 128, 256)
     prompt = Request("r", None, list(range(300)), det(), 0, 1, frozenset(), 0, deterministic=True)
@@ -140,6 +145,18 @@ def test_canonical_rows_are_packed_into_the_fewest_passes_of_checked_sizes(train
     assert [(c.start, c.end) for p in passes for c in p] == [(0, 256), (256, 290), (290, 300)]
     assert sched.stats.canonical_passes - before.canonical_passes == 2
     assert sched.stats.canonical_rows_padded - before.canonical_rows_padded == 20
+
+
+def test_speculating_requests_ride_in_the_padding_of_a_canonical_pass(trained_model: Path) -> None:
+    sched = LLM(str(trained_model), num_kv_blocks=64, determinism_strategy="speculate").llm_engine.scheduler
+    a, b, c, d = (Request(n, None, list(range(40)), det(), 0, 1, frozenset(), 0, deterministic=True) for n in "abcd")
+    verifying = _Demand(canonical=ScheduledChunk(a, 0, 20), required=True)  # one 32-row pass: 12 rows spare
+    flexible = [_Demand(ScheduledChunk(r, 30, n), ScheduledChunk(r, 39, 1)) for r, n in ((b, 5), (c, 9), (d, 4))]
+    plan = StepPlan()
+    sched._assign_lanes(plan, [verifying, *flexible])
+    assert [(ch.request.request_id, ch.num_tokens) for ch in plan.canonical[0]] == [("a", 20), ("b", 5), ("d", 4)]
+    assert [(ch.request.request_id, ch.num_tokens) for ch in plan.fast] == [("c", 1)]
+    assert plan.strategy == "speculate" and len(plan.canonical) == 1
 
 
 def test_canonical_prefix_blocks_are_reused_and_fast_blocks_never_read(trained_model: Path) -> None:
@@ -184,15 +201,15 @@ def test_broken_row_independence_makes_the_self_test_refuse(trained_model: Path,
         llm.generate(PROMPT, det(), use_tqdm=False)
 
 
-def test_a_pass_size_that_changes_bits_is_dropped_with_every_larger_one(
+def test_a_pass_size_that_changes_bits_is_dropped(
     trained_model: Path, reference: dict, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(FAULTS, "canonical_pass_size", 1e-3)
+    monkeypatch.setattr(FAULTS, "broken_pass_size", 64)
     with caplog.at_level(logging.WARNING, logger="sid.engine.selftest"):
         llm = LLM(str(trained_model), num_kv_blocks=64)
-    assert llm.llm_engine.canonical.sizes == (32,)
-    assert llm.llm_engine.get_stats()["canonical_pass_sizes"] == [32]
-    assert "canonical passes stay at 32 rows or fewer" in caplog.text and "in a pass of 64 rows" in caplog.text
+    assert llm.llm_engine.canonical.sizes == (32, 128, 256)
+    assert llm.llm_engine.get_stats()["canonical_pass_sizes"] == [32, 128, 256]
+    assert "canonical passes of 64 rows are not used" in caplog.text
     assert llm.generate(PROMPT, det(), use_tqdm=False)[0].outputs[0].token_ids == reference["greedy"]
 
 
@@ -224,6 +241,7 @@ SETTINGS = [
     dict(block_size=8),
     dict(async_scheduling=True),
     dict(max_canonical_rows=32),
+    dict(canonical_sizes_per_octave=8),
 ]
 
 

@@ -20,7 +20,7 @@ from sid.engine.fingerprint import numerics_fingerprint, processor, source_diges
 from sid.engine.kv_cache import KVCacheManager, PrefixCacheStats, cdiv
 from sid.engine.request import Request, RequestStatus
 from sid.engine.router import RequestContext, Router, RouterPolicy
-from sid.engine.scheduler import CPU_COST, GPU_COST, PassSizes, ScheduledChunk, Scheduler, StepPlan
+from sid.engine.scheduler import CPU_COST, GPU_COST, ScheduledChunk, Scheduler, StepPlan
 from sid.engine.selftest import self_test
 from sid.model.config import CheckpointError, ModelConfig
 from sid.model.decoder import Shard
@@ -179,8 +179,7 @@ class LLMEngine:
         self._in_flight: StepInFlight | None = None
         self.async_scheduling = config.async_scheduling_for(self.device)
         if config.enable_determinism:
-            checked = self_test(self.runner, self.kv, self.canonical_domain, self.max_model_len)
-            self.canonical = PassSizes(self.canonical.base, checked)  # no size goes unchecked
+            self.canonical = self_test(self.runner, self.kv, self.canonical_domain, self.max_model_len)
             self.scheduler.canonical = self.runner.canonical = self.canonical
             self.kv.stats = PrefixCacheStats()
 

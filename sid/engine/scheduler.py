@@ -7,20 +7,20 @@ request is preempted: its blocks are freed and it waits again at the head of the
 keeping its committed tokens, to be recomputed (mostly from the prefix cache) later.
 
 Deterministic requests (DESIGN 2-3) put rows into canonical passes of ``M_canon`` rows,
-or of a power-of-two multiple of it (``PassSizes``) when there are many rows: a pass is
-padded to the smallest size that holds it. Some rows *must* be canonical: prompt
+or of a larger checked size (``PassSizes``) when there are many rows: a pass is padded
+to the smallest size that holds it. Some rows *must* be canonical: prompt
 positions, recomputation after preemption, and verification of a full window of
 proposals. A deterministic request in its decode phase is flexible: it can speculate in
 the fast lane, or decode (verifying any proposals it holds) directly in a canonical pass.
 A cost model picks, per step, among speculating, decoding directly, and running the whole
-step canonically.
+step canonically; when it picks speculating, requests whose rows fit in the padding of a
+canonical pass that runs anyway decode directly there.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from functools import cached_property
 
 from sid.engine.kv_cache import KVCacheManager
 from sid.engine.request import Request, RequestStatus
@@ -64,26 +64,39 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class PassSizes:
-    """The row counts a canonical pass may have: ``base`` (``M_canon``) times a power of two,
-    up to ``largest``. A row gets the same bits at every size; the start-up self-test checks
-    that for each size (DESIGN 3.7), so the size of a pass is free to follow the load: prompts
-    run in few large passes, verification in small ones."""
+    """The row counts a canonical pass may have, ascending; the first is ``M_canon``.
 
-    base: int
-    largest: int
+    A row gets the same bits at every size (the start-up self-test checks each one against
+    ``M_canon``, DESIGN 3.7), so the size of a pass is free to follow the load: prompts run
+    in few large passes, verification in small ones, and a whole step in a pass about its
+    own size. ``grid`` spaces the sizes ``per_octave`` to each doubling, so padding a pass
+    to the next size wastes at most ``1 / per_octave`` of it.
+    """
+
+    sizes: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if self.base < 1 or self.largest < self.base:
-            raise ValueError(
-                f"canonical pass sizes need 1 <= canonical_rows <= max_canonical_rows, got {self.base} and {self.largest}"
-            )
+        if not self.sizes or list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+            raise ValueError(f"canonical pass sizes must be distinct, ascending and positive, got {self.sizes}")
 
-    @cached_property
-    def sizes(self) -> tuple[int, ...]:
-        sizes = [self.base]
-        while sizes[-1] * 2 <= self.largest:
-            sizes.append(sizes[-1] * 2)
-        return tuple(sizes)
+    @classmethod
+    def grid(cls, base: int, largest: int, per_octave: int = 1) -> PassSizes:
+        """``base * 2**j * (1 + k / per_octave)`` for ``k < per_octave``, up to ``largest``."""
+        if base < 1 or largest < base:
+            raise ValueError(
+                f"canonical pass sizes need 1 <= canonical_rows <= max_canonical_rows, got {base} and {largest}"
+            )
+        if per_octave < 1 or base % per_octave:
+            raise ValueError(f"canonical_sizes_per_octave must divide canonical_rows={base}, got {per_octave}")
+        sizes, octave = [], base
+        while octave <= largest:
+            sizes += [s for s in range(octave, 2 * octave, octave // per_octave) if s <= largest]
+            octave *= 2
+        return cls(tuple(sizes))
+
+    @property
+    def base(self) -> int:
+        return self.sizes[0]
 
     @property
     def max(self) -> int:
@@ -324,7 +337,12 @@ class Scheduler:
                 sum(d.canonical.num_tokens for d in flexible),  # type: ignore[union-attr]
             )
             if strategy == "speculate":
-                fast += [d.fast for d in flexible]  # type: ignore[misc]
+                riders = {id(d) for d in self._riders(sum(c.num_tokens for c in required), flexible)}
+                for d in flexible:
+                    if id(d) in riders:
+                        canonical.append(d.canonical)  # type: ignore[arg-type]
+                    else:
+                        fast.append(d.fast)  # type: ignore[arg-type]
             else:
                 canonical += [d.canonical for d in flexible]  # type: ignore[misc]
             if strategy == "whole":
@@ -334,6 +352,20 @@ class Scheduler:
                 self.stats.strategy_choices[strategy] += 1
         plan.fast = fast
         plan.canonical = self._pack(canonical)
+
+    def _riders(self, required_rows: int, flexible: list[_Demand]) -> list[_Demand]:
+        """Flexible requests that decode directly in the padding of this step's required
+        canonical passes instead of speculating: free rows, and their windows are verified
+        early (which keeps the windows of several requests in step)."""
+        room = sum(self._pass_sizes(required_rows)) - required_rows if required_rows else 0
+        riders = []
+        for demand in sorted(flexible, key=lambda d: d.canonical.num_tokens):  # type: ignore[union-attr]
+            rows = demand.canonical.num_tokens  # type: ignore[union-attr]
+            if rows > room:
+                break
+            riders.append(demand)
+            room -= rows
+        return riders
 
     def _pack(self, chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
         """Fill passes of the largest size in order, splitting chunks at pass edges; the

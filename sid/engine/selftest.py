@@ -6,7 +6,7 @@ the probe is chunked across passes, the size of the pass and of its LM head (eve
 ``PassSizes`` size the KV pool can fill), and whether its prefix came from the prefix cache.
 Logits, K/V and tokens sampled at temperature > 0 must agree bit for bit; otherwise
 deterministic mode refuses to start, naming what broke. A pass size above ``M_canon``
-that changes bits is dropped instead, with every larger one (a warning says which).
+that changes bits is dropped instead (a warning says which), as is one the pool cannot fill.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from sid.engine.kv_cache import KVCacheManager, cdiv
 from sid.engine.request import Request
-from sid.engine.scheduler import ScheduledChunk
+from sid.engine.scheduler import PassSizes, ScheduledChunk
 from sid.runtime.model_runner import ModelRunner
 from sid.sampling_params import SamplingParams
 
@@ -149,10 +149,10 @@ class SelfTest:
         return out, half
 
 
-def self_test(runner: ModelRunner, kv: KVCacheManager, domain: str, max_model_len: int) -> int:
+def self_test(runner: ModelRunner, kv: KVCacheManager, domain: str, max_model_len: int) -> PassSizes:
     """Raise ``DeterminismSelfTestError`` unless canonical rows are independent at
-    ``M_canon``; returns the largest pass size that gives a row the same bits (the engine uses
-    no larger one: a size that changes bits costs speed, not the guarantee)."""
+    ``M_canon``; returns the pass sizes checked to give a row the same bits (a size that
+    changes bits costs speed, not the guarantee)."""
     test = SelfTest(runner, kv, domain, max_model_len)
     m = test.m
     alone = test.fresh(m, lambda i: m, lambda i: 0)
@@ -161,18 +161,19 @@ def self_test(runner: ModelRunner, kv: KVCacheManager, domain: str, max_model_le
     if kv.enable_prefix_caching and test.n >= 2 * kv.block_size:
         cached, start = test.on_cached_prefix()
         _require(alone, cached, range(start, test.n), "its prefix taken from the prefix cache")
-    # Two passes per size, each filled to (nearly) ``size`` rows with filler, whose probe rows
-    # alone choose tokens: the LM head runs on fewer rows, at a size of its own.
+    # Two passes per size, the first filled to ``size`` rows with filler, the second to one
+    # row less (padded); only their probe rows choose tokens, so the LM head runs on fewer
+    # rows, at a size of its own.
     half = cdiv(test.n, 2)
-    largest = m
+    passed = [m]
     for size in test.sizes:
-        sized = test.fresh(size, lambda i: half, lambda i, size=size: size - half - 7 * i)
+        sized = test.fresh(size, lambda i: half, lambda i, size=size: size - half - i)
         broken = _difference(alone, sized, range(test.n))
-        if broken is not None:
-            logger.warning("canonical passes stay at %d rows or fewer: %s in a pass of %d rows", largest, broken, size)
-            break
-        largest = size
-    return largest
+        if broken is None:
+            passed.append(size)
+        else:
+            logger.warning("canonical passes of %d rows are not used: %s in a pass of that size", size, broken)
+    return PassSizes(tuple(passed))
 
 
 def _require(ref: ProbeRun, other: ProbeRun, positions: range, what: str) -> None:

@@ -27,7 +27,11 @@ def _add_engine_args(p: argparse.ArgumentParser, model_option: bool = True) -> N
     p.add_argument("--canonical-rows", type=int, default=None)
     p.add_argument(
         "--max-canonical-rows", type=int, default=None,
-        help="largest canonical pass, canonical-rows times a power of two (default: 2048 on GPU, 256 on CPU)",
+        help="largest canonical pass (default: 2048 on GPU, 256 on CPU)",
+    )
+    p.add_argument(
+        "--canonical-sizes-per-octave", type=int, default=None,
+        help="canonical pass sizes per doubling above canonical-rows (default: 8 on GPU, 1 on CPU)",
     )
     p.add_argument("--verify-window", type=int, default=8)
     p.add_argument("--determinism-strategy", default="auto", choices=["auto", "speculate", "direct", "whole"])
@@ -41,7 +45,8 @@ def _add_engine_args(p: argparse.ArgumentParser, model_option: bool = True) -> N
 _ENGINE_FIELDS = (
     "device", "dtype", "max_model_len", "load_format", "enforce_eager", "tensor_parallel_size",
     "gpu_memory_utilization", "num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
-    "enable_prefix_caching", "enable_determinism", "canonical_rows", "max_canonical_rows", "verify_window",
+    "enable_prefix_caching", "enable_determinism", "canonical_rows", "max_canonical_rows",
+    "canonical_sizes_per_octave", "verify_window",
     "determinism_strategy", "attention_backend", "async_scheduling",
 )
 

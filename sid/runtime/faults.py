@@ -17,8 +17,8 @@ class Faults:
     """Noise added to fast-lane logits, drawn from a generator seeded by the batch size."""
     canonical_cross_row: float = 0.0
     """Added to canonical logits, scaled by a function of every input token in the pass."""
-    canonical_pass_size: float = 0.0
-    """Added to canonical logits, scaled by the pass's row count: bits that change with its size."""
+    broken_pass_size: int = 0
+    """Canonical passes of this many rows get perturbed logits: one size that changes bits."""
 
 
 FAULTS = Faults()

@@ -2,10 +2,10 @@
 
 A *fast* pass has as many rows as it has tokens, computes logits only for rows that need
 them, and attends with the fast schedule. A *canonical* pass (DESIGN 3.1) is padded to one
-of the canonical sizes (``PassSizes``: ``M_canon`` times a power of two; padding rows write
-nothing), runs the final norm, the LM head and sampling on fixed-size sets of rows, and
-attends with the canonical schedule, so each row's result is a function of its own request
-and position alone.
+of the canonical sizes (``PassSizes``, from ``M_canon`` up; padding rows write nothing),
+runs the final norm, the LM head and sampling on fixed-size sets of rows, and attends with
+the canonical schedule, so each row's result is a function of its own request and position
+alone.
 
 ``launch`` queues a pass and its sampling without waiting for the GPU; ``collect`` waits for
 the sampled tokens, copied to pinned host memory, and hands them out. Between the two the
@@ -375,8 +375,8 @@ class ModelRunner:
         if canonical:
             if FAULTS.canonical_cross_row:
                 logits = logits + FAULTS.canonical_cross_row * float(sum(input_ids) % 7)
-            if FAULTS.canonical_pass_size:
-                logits = logits + FAULTS.canonical_pass_size * len(input_ids)
+            if FAULTS.broken_pass_size == len(input_ids):
+                logits = logits + 1e-3
             sample_logits = logits
             if keep_logits:  # a chunk's sampled rows are consecutive, in chunk order
                 counts = Counter(i for _, i in sample_rows)
