@@ -62,21 +62,30 @@ def time_shape(args: tuple, canonical: bool, max_seq_len: int, smoke: bool) -> f
     return ms if ms is not None else attention.bench(run, smoke)
 
 
-def candidates(smoke: bool) -> list[dict[str, int]]:
+def candidates(smoke: bool, block_ms: list[int], tiles: list[int], splits: list[int], warps: list[int]) -> list[dict[str, int]]:
     if smoke:
         return [dict(pa.CANONICAL_CONFIG), {**pa.CANONICAL_CONFIG, "kv_split": 2 * pa.CANONICAL_CONFIG["kv_tile"]}]
-    grid = itertools.product((16, 32, 64), (64, 128), (256, 512, 1024), (4,))
+    grid = itertools.product(block_ms, tiles, splits, warps)
     return [dict(block_m=m, kv_tile=t, kv_split=s, num_warps=w, num_stages=3) for m, t, s, w in grid if s % t == 0]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=128, help="canonical_rows")
     ap.add_argument("--max-seq-len", type=int, default=2064, help="the graph's key bound (model limit)")
+    ap.add_argument("--decode-context", type=int, default=DECODE_CONTEXT, help="keys of each decoding sequence")
+    ap.add_argument("--block-m", default="16,32,64", help="candidate block_m values")
+    ap.add_argument("--kv-tile", default="64,128", help="candidate kv_tile values")
+    ap.add_argument("--kv-split", default="256,512,1024", help="candidate kv_split values")
+    ap.add_argument("--num-warps", default="4", help="candidate num_warps values")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
-    offsets, context = PREFILL_OFFSETS, DECODE_CONTEXT
+    offsets, context = PREFILL_OFFSETS, args.decode_context
     if args.smoke:
         args.rows, args.max_seq_len, offsets, context = 8, 160, (0, 40), 48
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -91,7 +100,7 @@ def main() -> None:
     rows = []
     fast = {(m, s): time_shape(a, False, args.max_seq_len, args.smoke) for m, cases in per_model.items()
             for s, a in cases.items()}
-    for cfg in candidates(args.smoke):
+    for cfg in candidates(args.smoke, _ints(args.block_m), _ints(args.kv_tile), _ints(args.kv_split), _ints(args.num_warps)):
         pa.CANONICAL_CONFIG.clear()
         pa.CANONICAL_CONFIG.update(cfg)
         row = {**cfg}

@@ -5,6 +5,9 @@ one decoder layer is then timed at ``--tokens`` rows (the scheduler's token budg
 whole prefill step (``--tokens`` rows as ``--seqs`` fresh prompts, eager, as the engine runs
 it) is timed end to end; its rate counts the linear layers' FLOPs (2 x params x tokens)
 plus causal attention's (2 x 2 x tokens x context / 2 x heads x head_dim per layer).
+The same step is then timed as a deterministic prompt runs it: canonical passes of at most
+the largest canonical size, and, to tell the pass split from the canonical numerics, fast
+passes of those sizes; the heaviest kernels of the canonical step are listed.
 
     python benchmarks/prefill.py --model llama-3.1-8b      # H200
 """
@@ -16,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -41,7 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     peak = matmul_rate()
     llm = LLM(model_dir(args.model), load_format="dummy" if args.model in PRESETS else "auto",
-              max_model_len=args.tokens + 16, max_num_batched_tokens=args.tokens, enable_determinism=False)
+              max_model_len=args.tokens + 16, max_num_batched_tokens=args.tokens)
     engine = llm.llm_engine
     model = engine.model
     layer = model.layers[0]
@@ -77,8 +81,25 @@ def main() -> None:
     step_flops = 2 * linear_params * args.tokens + attn_flops
     rows.append({"op": f"prefill step ({args.seqs} x {per_seq})", "ms": seconds * 1e3,
                  "TFLOPs": step_flops / seconds / 1e12, "of_matmul_peak": step_flops / seconds / peak})
+    packs = engine.scheduler._pack(chunks)
+    pack_tables = [[engine.kv.block_ids(c.request) for c in p] for p in packs]
+
+    def split(canonical: bool) -> None:
+        for p, t in zip(packs, pack_tables):
+            engine.runner.execute(p, t, canonical=canonical)
+
+    sizes = "+".join(str(engine.canonical.fit(sum(c.num_tokens for c in p))) for p in packs)
+    for name, canonical in ((f"fast passes of {sizes} rows", False), (f"canonical passes of {sizes} rows", True)):
+        seconds = cuda_time(lambda canonical=canonical: split(canonical), iters=10)
+        rows.append({"op": name, "ms": seconds * 1e3, "TFLOPs": step_flops / seconds / 1e12,
+                     "of_matmul_peak": step_flops / seconds / peak})
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        split(True)
+        torch.cuda.synchronize()
+    kernels = prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60)
     meta = {"model": args.model, "gpu": torch.cuda.get_device_name(), "matmul_TFLOPs": peak / 1e12}
     out = write_json(f"prefill_{Path(args.model).name}", {**meta, "rows": rows}, args.out)
+    print(kernels)
     print(f"{args.model} on {meta['gpu']}: bf16 matmul {peak / 1e12:.0f} TFLOP/s (8192^3, this run)")
     print(table(rows, ["op", "shape", "ms", "TFLOPs", "of_matmul_peak"]))
     print(f"wrote {out}")

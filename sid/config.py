@@ -44,7 +44,8 @@ class EngineConfig:
     enable_determinism: bool = True
     canonical_rows: int | None = None
     max_canonical_rows: int | None = None
-    """Largest canonical pass; None = 2048 rows on a GPU, 256 on a CPU (16x and 8x ``M_canon``)."""
+    """Largest canonical pass; None = ``max_num_batched_tokens`` on a GPU (a step's prompt rows
+    fit one pass, as in the fast lane), 8x ``M_canon`` on a CPU (256 rows)."""
     canonical_sizes_per_octave: int | None = None
     """Canonical pass sizes per doubling above ``M_canon``; None = 8 on a GPU (128, 144, ...,
     240, 256, 288, ...: a pass of 130 rows runs as 144), 1 on a CPU (32, 64, 128, 256)."""
@@ -88,7 +89,7 @@ class EngineConfig:
         spaced, so a whole canonical step is padded about as much as a fast-lane graph."""
         cuda = device.type == "cuda"
         base = self.canonical_rows or (128 if cuda else 32)
-        largest = self.max_canonical_rows or (16 if cuda else 8) * base
+        largest = self.max_canonical_rows or (max(base, self.max_num_batched_tokens) if cuda else 8 * base)
         return PassSizes.grid(base, largest, self.canonical_sizes_per_octave or (8 if cuda else 1))
 
     def async_scheduling_for(self, device: torch.device) -> bool:

@@ -27,7 +27,7 @@ def _add_engine_args(p: argparse.ArgumentParser, model_option: bool = True) -> N
     p.add_argument("--canonical-rows", type=int, default=None)
     p.add_argument(
         "--max-canonical-rows", type=int, default=None,
-        help="largest canonical pass (default: 2048 on GPU, 256 on CPU)",
+        help="largest canonical pass (default: max-num-batched-tokens on GPU, 256 on CPU)",
     )
     p.add_argument(
         "--canonical-sizes-per-octave", type=int, default=None,

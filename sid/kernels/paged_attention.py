@@ -48,7 +48,7 @@ from triton import knobs
 CANONICAL_CONFIG: dict[str, int] = {
     "block_m": 16,
     "kv_tile": 128,
-    "kv_split": 1024,
+    "kv_split": 4096,
     "num_warps": 4,
     "num_stages": 3,
 }
@@ -57,10 +57,12 @@ CANONICAL_CONFIG: dict[str, int] = {
 ``block_m`` is raised to the next power of two of the GQA group when the group is larger
 (a function of the model, never of the batch). Tiles sit at multiples of ``kv_tile``
 absolute positions, split boundaries at multiples of ``kv_split``. Chosen on the H200 by
-``benchmarks/canonical_sweep.py`` over the canonical pass's own shapes (128 decoding
-sequences of 1,024 keys; 128-row prompt chunks at offsets 0, 384 and 896), Qwen3-0.6B and
-Llama-3.1-8B head layouts: canonical time over fast time on the same inputs is 1.05 for
-decode and 0.70-0.99 for the prompt chunks (block_m 32 gave 1.11-1.34 for decode).
+``benchmarks/canonical_sweep.py`` over the canonical lane's own shapes, Qwen3-0.6B and
+Llama-3.1-8B head layouts, canonical time over fast time on the same inputs: for 256
+decoding sequences of 1,536 keys (a whole canonical step) 1.00 with kv_split 4096 against
+1.10 with 1024, which splits them; for 64 sequences 0.93 against 1.01; 256-row prompt
+chunks 0.70-1.36 against 0.79-1.43 (block_m 32 gave 1.11-1.34 for decode). Contexts above
+4,096 keys are split, so a long decode still spreads over the multiprocessors.
 """
 
 _COMBINE_NUM_WARPS = 4
