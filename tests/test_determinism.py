@@ -231,6 +231,14 @@ def test_large_canonical_passes_give_the_bits_of_small_ones(trained_model: Path,
     assert passes[1] < passes[0]  # and the large passes really ran
 
 
+def test_pass_sizes_beyond_the_model_length_are_checked_on_several_filler_sequences(
+    trained_model: Path, reference: dict
+) -> None:
+    llm = LLM(str(trained_model), num_kv_blocks=128, max_model_len=100)
+    assert llm.llm_engine.canonical.sizes == (32, 64, 128, 256)  # a 256-row pass holds 3 sequences of <= 99
+    assert llm.generate(PROMPT, det(), use_tqdm=False)[0].outputs[0].token_ids == reference["greedy"]
+
+
 SETTINGS = [
     dict(num_kv_blocks=96),
     dict(max_num_seqs=2),

@@ -46,20 +46,22 @@ class SelfTest:
         self.m = runner.canonical.base
         bs = kv.block_size
         capacity = kv.pool.num_free * bs
-        # Filler rows crowd the probe's passes, up to the largest pass size the pool allows.
-        filler = max(min(runner.canonical.max, capacity // 2, max_model_len - 1), min(self.m, capacity // 3))
-        self.n = min(2 * self.m + 37, max_model_len - 1, capacity - cdiv(filler, bs) * bs)
+        # Filler rows crowd the probe's passes, up to the largest pass size the pool allows,
+        # in as many sequences as the model's length limit asks for.
+        self.filler_rows = max(min(runner.canonical.max, capacity // 2), min(self.m, capacity // 3))
+        gen = torch.Generator().manual_seed(0)
+        filler = torch.randint(0, runner.vocab_size, (self.filler_rows,), generator=gen).tolist()
+        self.fillers = [filler[i : i + max_model_len - 1] for i in range(0, self.filler_rows, max_model_len - 1)]
+        self.n = min(2 * self.m + 37, max_model_len - 1, capacity - sum(cdiv(len(f), bs) * bs for f in self.fillers))
         if self.n < 2:
             raise DeterminismSelfTestError(f"the KV cache ({capacity} token slots) is too small for the self-test")
-        gen = torch.Generator().manual_seed(0)
         self.probe = torch.randint(0, runner.vocab_size, (self.n,), generator=gen).tolist()
-        self.filler = torch.randint(0, runner.vocab_size, (filler,), generator=gen).tolist()
         self._ids = count()
 
     @property
     def sizes(self) -> list[int]:
         """The pass sizes above ``M_canon`` that the filler can fill."""
-        return [s for s in self.runner.canonical.sizes[1:] if s <= len(self.filler)]
+        return [s for s in self.runner.canonical.sizes[1:] if s <= self.filler_rows]
 
     def request(self, tokens: list[int], prompt_len: int) -> Request:
         """A request holding ``tokens``, the first ``prompt_len`` as its prompt: rows past the
@@ -90,19 +92,17 @@ class SelfTest:
         ``fill(i)`` rows of a filler prompt (rows that choose no token), then ``rows(i)``
         probe rows. ``target`` must hold its blocks already."""
         kv = self.kv
-        other = self.request(self.filler, len(self.filler))
-        if not kv.allocate(other, len(self.filler)):
+        others = [self.request(f, len(f)) for f in self.fillers]
+        if not all(kv.allocate(other, other.num_tokens) for other in others):
             raise DeterminismSelfTestError("the KV cache is too small for the self-test")
         out = ProbeRun()
         pos, used, i = start, 0, 0
         while pos < stop:
-            chunks = []
-            f = max(0, min(fill(i), size - 1, len(self.filler) - 1))
-            if used + f >= len(self.filler):
+            f = max(0, min(fill(i), size - 1, self.filler_rows - 1))
+            if used + f >= self.filler_rows:
                 used = 0  # start the filler over: its rows compute the same K/V again
-            if f > 0:
-                chunks.append(ScheduledChunk(other, used, f))
-                used += f
+            chunks = _filler_chunks(others, used, f)
+            used += f
             k = min(rows(i), stop - pos, size - f)
             chunks.append(ScheduledChunk(target, pos, k))
             blocks = [kv.block_ids(c.request) for c in chunks]
@@ -118,7 +118,8 @@ class SelfTest:
         slots = ids[p // kv.block_size] * kv.block_size + p % kv.block_size
         cache = self.runner.kv_cache
         out.kv = [torch.stack([k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]]).cpu() for k, v in zip(cache.k, cache.v)]
-        kv.free(other)
+        for other in others:
+            kv.free(other)
         return out
 
     def fresh(self, size: int, rows: Callable[[int], int], fill: Callable[[int], int]) -> ProbeRun:
@@ -174,6 +175,17 @@ def self_test(runner: ModelRunner, kv: KVCacheManager, domain: str, max_model_le
         else:
             logger.warning("canonical passes of %d rows are not used: %s in a pass of that size", size, broken)
     return PassSizes(tuple(passed))
+
+
+def _filler_chunks(others: list[Request], start: int, rows: int) -> list[ScheduledChunk]:
+    """Rows ``start .. start + rows - 1`` of the filler, which ``others`` hold in order."""
+    chunks, offset = [], 0
+    for other in others:
+        lo, hi = max(start - offset, 0), min(start + rows - offset, other.num_tokens)
+        if lo < hi:
+            chunks.append(ScheduledChunk(other, lo, hi - lo))
+        offset += other.num_tokens
+    return chunks
 
 
 def _require(ref: ProbeRun, other: ProbeRun, positions: range, what: str) -> None:
