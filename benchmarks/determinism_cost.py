@@ -4,7 +4,9 @@ Each fraction runs the same workload (median of ``--repeats`` runs), normalised 
 Reported beside it: the throughput of the *non-deterministic* requests alone (what the
 router's choice costs everyone else), rollbacks, recomputed tokens and which strategy the
 scheduler chose. Deterministic requests are chosen by a seeded draw, so every run of a
-fraction routes the same requests.
+fraction routes the same requests. Every run starts with the prefix cache reset, so it
+computes every prompt (``--keep-prefix-cache`` lets the repeats find the prompts cached by
+the runs before them, as the figures recorded before the fifth session did).
 
     python benchmarks/determinism_cost.py --smoke                         # CPU, built-in model
     python benchmarks/determinism_cost.py --model qwen3-0.6b --requests 256   # H200, dummy weights
@@ -72,6 +74,9 @@ def main() -> None:
     ap.add_argument("--canonical-config", default=None,
                     help="JSON file of canonical attention constants to run with (canonical_sweep.py writes one); "
                          "they are part of the numerics fingerprint")
+    ap.add_argument("--keep-prefix-cache", action="store_true",
+                    help="let a run find the prompts the runs before it cached (the repeats submit the same "
+                         "requests; by default every run starts with the prefix cache reset, so it computes them)")
     ap.add_argument("--smoke", action="store_true", help="CPU-sized: 24 requests of 16..64 tokens on the default model")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -95,6 +100,8 @@ def main() -> None:
     for fraction in map(float, args.fractions.split(",")):
         runs = []
         for i in range(args.repeats):
+            if not args.keep_prefix_cache and not llm.reset_prefix_cache():
+                raise RuntimeError("the prefix cache could not be reset: requests are still unfinished")
             runs.append(run_once(llm, requests, fraction))
             print(f"fraction {fraction:.2f} run {i + 1}: {runs[-1]['output_tok_s']:.0f} out tok/s, "
                   f"{runs[-1]['rollbacks']} rollbacks")  # progress, in case the call is cut short
@@ -115,6 +122,7 @@ def main() -> None:
         "requests": args.requests,
         "lengths": [args.min_len, args.max_len],
         "fingerprint": engine.fingerprint,
+        "prefix_cache_reset_per_run": not args.keep_prefix_cache,
         "canonical_attention": engine.numerics["attention"],
     }
     path = write_json("determinism_cost", {**meta, "rows": rows}, args.out)

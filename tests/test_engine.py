@@ -39,6 +39,13 @@ def test_prefix_cache_reuses_blocks_and_matches_a_cold_run(checkpoints: dict[str
     assert seen[0].shape[0] == 1
     # Everything finished: all blocks are free again (cached ones stay reusable).
     assert kv.pool.num_free == kv.pool.num_blocks and kv.pool.num_cached() > 0
+    # Until the cache is reset, which is refused while a request is unfinished.
+    warm.llm_engine.add_request("pending", {"prompt_token_ids": b}, params)
+    assert not warm.reset_prefix_cache() and kv.pool.num_cached() > 0
+    warm.llm_engine.abort_request("pending")
+    assert warm.reset_prefix_cache() and kv.pool.num_cached() == 0
+    again = warm.generate({"prompt_token_ids": b}, params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == cold_out.outputs[0].token_ids
 
 
 def test_blocks_are_freed_and_reused_across_many_requests(checkpoints: dict[str, Path]) -> None:

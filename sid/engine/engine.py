@@ -406,6 +406,11 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's name), so the next requests compute their
+        prompts again; refused (False) while requests are unfinished."""
+        return not self.has_unfinished_requests() and self.kv.pool.reset_cache()
+
     def get_stats(self) -> dict[str, Any]:
         """Engine counters: scheduling, prefix cache, and what determinism cost."""
         sched = self.scheduler.stats

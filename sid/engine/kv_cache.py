@@ -101,6 +101,15 @@ class BlockPool:
     def num_cached(self) -> int:
         return len(self._cached)
 
+    def reset_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is held."""
+        if self.num_free < self.num_blocks:
+            return False
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+        return True
+
 
 @dataclass
 class PrefixCacheStats:

@@ -373,13 +373,13 @@ class Scheduler:
         passes: list[list[ScheduledChunk]] = []
         room = 0
         for chunk in chunks:
-            start = chunk.start
-            while start < chunk.end:
+            start, end = chunk.start, chunk.end
+            while start < end:
                 if room == 0:
                     passes.append([])
                     room = self.canonical.max
-                n = min(room, chunk.end - start)
-                passes[-1].append(ScheduledChunk(chunk.request, start, n))
+                n = min(room, end - start)
+                passes[-1].append(chunk if n == chunk.num_tokens else ScheduledChunk(chunk.request, start, n))
                 start += n
                 room -= n
         used = sum(c.num_tokens for c in chunks)

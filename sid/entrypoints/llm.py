@@ -35,6 +35,10 @@ class LLM:
         tokens, canonical rows used vs padded, strategy choices, preemptions, cache hits."""
         return self.llm_engine.get_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing done) while requests are unfinished."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
