@@ -89,8 +89,8 @@ class SelfTest:
         self, target: Request, start: int, stop: int, size: int, rows: Callable[[int], int], fill: Callable[[int], int]
     ) -> ProbeRun:
         """Positions ``start .. stop - 1`` of ``target`` in passes of at most ``size`` rows:
-        ``fill(i)`` rows of a filler prompt (rows that choose no token), then ``rows(i)``
-        probe rows. ``target`` must hold its blocks already."""
+        ``fill(i)`` rows of the filler prompts (rows that choose no token, but for a filler
+        sequence's last), then ``rows(i)`` probe rows. ``target`` must hold its blocks already."""
         kv = self.kv
         others = [self.request(f, len(f)) for f in self.fillers]
         if not all(kv.allocate(other, other.num_tokens) for other in others):
