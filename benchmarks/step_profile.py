@@ -113,6 +113,8 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--max-len", type=int, default=1024, help="longest prompt (prompts are 100 .. this long)")
+    ap.add_argument("--max-model-len", type=int, default=2064)
     ap.add_argument("--deterministic", type=float, default=0.0, help="share of deterministic requests")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="overlap the host's work with the GPU's (default: the engine's default)")
@@ -120,12 +122,12 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.smoke:
-        args.requests, args.new_tokens = 8, 16
+        args.requests, args.new_tokens, args.max_len = 8, 16, 128
     llm = LLM(model_dir(args.model), load_format="dummy" if args.model in PRESETS else "auto",
-              max_model_len=2064 if not args.smoke else 256, enable_determinism=args.deterministic > 0,
-              async_scheduling=args.async_scheduling)
+              max_model_len=args.max_model_len if not args.smoke else 256,
+              enable_determinism=args.deterministic > 0, async_scheduling=args.async_scheduling)
     engine = llm.llm_engine
-    high = 1024 if not args.smoke else 128
+    high = args.max_len
     requests = [(p, args.new_tokens) for p, _ in workload(args.requests, min(100, high), high, engine.model_config.vocab_size)]
     submit(engine, requests[:4], "warm")
     timed_steps(engine)
