@@ -19,6 +19,7 @@ canonical pass that runs anyway decode directly there.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -104,9 +105,9 @@ class PassSizes:
 
     def fit(self, rows: int) -> int:
         """The smallest size that holds ``rows`` rows."""
-        for size in self.sizes:
-            if size >= rows:
-                return size
+        i = bisect_left(self.sizes, rows)
+        if i < len(self.sizes):
+            return self.sizes[i]
         raise RuntimeError(f"a canonical pass of {rows} rows exceeds the largest size, {self.max}")
 
 
@@ -304,6 +305,10 @@ class Scheduler:
         full, rest = divmod(rows, largest)
         return [largest] * full + ([self.canonical.fit(rest)] if rest else [])
 
+    def _padding(self, rows: int) -> int:
+        """Padding rows of the passes ``_pack`` makes for ``rows`` rows."""
+        return sum(self._pass_sizes(rows)) - rows
+
     def _passes_cost(self, rows: int) -> float:
         return sum(self.cost_model.cost(size, canonical=True) for size in self._pass_sizes(rows))
 
@@ -330,14 +335,15 @@ class Scheduler:
         flexible = [d for d in demands if d.canonical is not None and not d.required]
         canonical: list[ScheduledChunk] = list(required)
         if flexible or (required and fast):
+            required_rows = sum(c.num_tokens for c in required)
             strategy = self.choose_strategy(
                 sum(c.num_tokens for c in fast),
-                sum(c.num_tokens for c in required),
+                required_rows,
                 len(flexible),
                 sum(d.canonical.num_tokens for d in flexible),  # type: ignore[union-attr]
             )
             if strategy == "speculate":
-                riders = {id(d) for d in self._riders(sum(c.num_tokens for c in required), flexible)}
+                riders = {id(d) for d in self._riders(self._padding(required_rows), flexible)}
                 for d in flexible:
                     if id(d) in riders:
                         canonical.append(d.canonical)  # type: ignore[arg-type]
@@ -353,11 +359,10 @@ class Scheduler:
         plan.fast = fast
         plan.canonical = self._pack(canonical)
 
-    def _riders(self, required_rows: int, flexible: list[_Demand]) -> list[_Demand]:
-        """Flexible requests that decode directly in the padding of this step's required
-        canonical passes instead of speculating: free rows, and their windows are verified
-        early (which keeps the windows of several requests in step)."""
-        room = sum(self._pass_sizes(required_rows)) - required_rows if required_rows else 0
+    def _riders(self, room: int, flexible: list[_Demand]) -> list[_Demand]:
+        """Flexible requests that decode directly in the ``room`` padding rows of this step's
+        required canonical passes instead of speculating: free rows, and their windows are
+        verified early (which keeps the windows of several requests in step)."""
         riders = []
         for demand in sorted(flexible, key=lambda d: d.canonical.num_tokens):  # type: ignore[union-attr]
             rows = demand.canonical.num_tokens  # type: ignore[union-attr]
@@ -385,5 +390,5 @@ class Scheduler:
         used = sum(c.num_tokens for c in chunks)
         self.stats.canonical_passes += len(passes)
         self.stats.canonical_rows_used += used
-        self.stats.canonical_rows_padded += sum(self._pass_sizes(used)) - used
+        self.stats.canonical_rows_padded += self._padding(used)
         return passes
