@@ -1,6 +1,9 @@
 """Cost of determinism (DESIGN 7): offline throughput with 0/2/10/50/100 % deterministic traffic.
 
-Each fraction runs the same workload (median of ``--repeats`` runs), normalised to 0 %.
+Each fraction runs the same workload (median of ``--repeats`` runs), normalised to 0 %. The
+runs go in rounds, one run of every fraction per round, after a warm-up run of the whole
+workload, so what drifts over the process's life (the first run's compilation, the block
+pool's order, the host) weighs on every fraction alike.
 Reported beside it: the throughput of the *non-deterministic* requests alone (what the
 router's choice costs everyone else), rollbacks, recomputed tokens and which strategy the
 scheduler chose. Deterministic requests are chosen by a seeded draw, so every run of a
@@ -95,18 +98,20 @@ def main() -> None:
     )
     engine = llm.llm_engine
     requests = workload(args.requests, args.min_len, args.max_len, engine.model_config.vocab_size)
-    run_once(llm, requests[: max(2, len(requests) // 8)], 0.5)  # warm-up (allocator, kernels, graphs)
-    rows = []
-    for fraction in map(float, args.fractions.split(",")):
-        runs = []
-        for i in range(args.repeats):
+    run_once(llm, requests, 0.5)  # warm-up: allocator, kernels, graphs
+    fractions = [float(f) for f in args.fractions.split(",")]
+    runs: dict[float, list[dict[str, float]]] = {f: [] for f in fractions}
+    for i in range(args.repeats):
+        for fraction in fractions:
             if not args.keep_prefix_cache and not llm.reset_prefix_cache():
                 raise RuntimeError("the prefix cache could not be reset: requests are still unfinished")
-            runs.append(run_once(llm, requests, fraction))
-            print(f"fraction {fraction:.2f} run {i + 1}: {runs[-1]['output_tok_s']:.0f} out tok/s, "
-                  f"{runs[-1]['rollbacks']} rollbacks")  # progress, in case the call is cut short
-        median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        rows.append({"fraction": fraction, **median, "runs": runs})
+            runs[fraction].append(run_once(llm, requests, fraction))
+            print(f"round {i + 1} fraction {fraction:.2f}: {runs[fraction][-1]['output_tok_s']:.0f} out tok/s, "
+                  f"{runs[fraction][-1]['rollbacks']} rollbacks")  # progress, in case the call is cut short
+    rows = []
+    for fraction, done in runs.items():
+        median = {k: statistics.median(r[k] for r in done) for k in done[0]}
+        rows.append({"fraction": fraction, **median, "runs": done})
     base = rows[0]["output_tok_s"]
     for row in rows:
         row["normalised"] = row["output_tok_s"] / base

@@ -4,8 +4,8 @@
 # Steps: tests throughput_qwen decode_roofline throughput_llama cost_qwen cost_qwen_m256 cost_llama cost_trained
 #        canonical_sweep cost_swept (the cost with the sweep's best canonical attention constants)
 #        pass_invariance cost_qwen_m128 (canonical passes of 128 rows only)
-#        repro_trained repro_llama serve profile_qwen profile_qwen_lockstep profile_qwen_det profile_llama prefill
-# Environment: REPEATS (cost_qwen, default 1), FRACTIONS (cost_*, default all), LLAMA_REQUESTS.
+#        repro_trained repro_llama serve profile_qwen profile_qwen_lockstep profile_qwen_det profile_llama prefill prefill_qwen
+# Environment: REPEATS (cost_*, default 1), FRACTIONS (cost_*, default all), LLAMA_REQUESTS, PREFILL_SEQS (default 8).
 # `serve` needs the server's packages, absent on the H200 image: carry them as wheels in .whl
 # (ignored by git), made here with, for each of fastapi starlette pydantic pydantic_core uvicorn
 # annotated-types typing-inspection annotated-doc opentelemetry-api importlib-metadata at the venv's versions:
@@ -49,7 +49,8 @@ step() {
     serve) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
       export PYTHONPATH=$PYTHONPATH:/tmp/site && run_step serve 400 python3 benchmarks/serve.py --model llama-3.1-8b --out "$RES" ;;
     repro_llama) run_step repro_llama 300 python3 -m sid repro --model /tmp/sid-preset-llama-3.1-8b --load-format dummy --device cuda --max-model-len 2048 --max-tokens 32 --long-prompt 512 --out "$RES/repro_llama" ;;
-    prefill) run_step prefill 120 python3 benchmarks/prefill.py --model llama-3.1-8b --out "$RES" ;;
+    prefill) run_step prefill 120 python3 benchmarks/prefill.py --model llama-3.1-8b --seqs "${PREFILL_SEQS:-8}" --out "$RES" ;;
+    prefill_qwen) run_step prefill_qwen 120 python3 benchmarks/prefill.py --model qwen3-0.6b --seqs "${PREFILL_SEQS:-8}" --out "$RES" ;;
     profile_qwen) run_step profile_qwen 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --out "$RES" ;;
     profile_qwen_lockstep) run_step profile_qwen_lockstep 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --no-async-scheduling --out "$RES/lockstep" ;;
     profile_qwen_det) run_step profile_qwen_det 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --deterministic 1.0 --out "$RES/det" ;;

@@ -181,6 +181,7 @@ class LLMEngine:
         if config.enable_determinism:
             self.canonical = self_test(self.runner, self.kv, self.canonical_domain, self.max_model_len)
             self.scheduler.canonical = self.runner.canonical = self.canonical
+            self.scheduler.graph_rows = max((s for s in self.canonical.sizes if self.runner.graphed(s)), default=0)
             self.kv.stats = PrefixCacheStats()
 
     def _kv_cache(self, num_blocks: int) -> PagedKVCache:

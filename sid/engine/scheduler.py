@@ -175,6 +175,7 @@ class Scheduler:
         verify_window: int,
         strategy: str = "auto",
         cost_model: PassCostModel = CPU_COST,
+        graph_rows: int = 0,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown determinism strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
@@ -185,6 +186,8 @@ class Scheduler:
         self.verify_window = verify_window
         self.strategy = strategy
         self.cost_model = cost_model
+        self.graph_rows = graph_rows
+        """Largest canonical pass a CUDA graph replays (0: none)."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -312,16 +315,19 @@ class Scheduler:
     def _passes_cost(self, rows: int) -> float:
         return sum(self.cost_model.cost(size, canonical=True) for size in self._pass_sizes(rows))
 
-    def choose_strategy(self, fast_rows: int, required_rows: int, num_flexible: int, flexible_rows: int) -> str:
+    def choose_strategy(
+        self, fast_rows: int, required_rows: int, num_flexible: int, flexible_rows: int, kept_rows: int = 0
+    ) -> str:
         """Cheapest way to run this step's flexible deterministic decodes (DESIGN 3.5).
 
         Speculating costs a fast row now and, later, a share of the pass that verifies the
-        window: ``num_flexible`` windows of ``W + 1`` rows every ``W`` steps."""
+        window: ``num_flexible`` windows of ``W + 1`` rows every ``W`` steps. A whole step
+        leaves ``kept_rows`` of the fast rows in a fast pass (see ``_kept_fast``)."""
         if self.strategy != "auto":
             return self.strategy
         m, w = self.cost_model, self.verify_window
         costs = {
-            "whole": self._passes_cost(fast_rows + required_rows + flexible_rows),
+            "whole": m.cost(kept_rows) + self._passes_cost(fast_rows - kept_rows + required_rows + flexible_rows),
             "direct": m.cost(fast_rows) + self._passes_cost(required_rows + flexible_rows),
             "speculate": m.cost(fast_rows + num_flexible)
             + self._passes_cost(required_rows)
@@ -329,18 +335,27 @@ class Scheduler:
         }
         return min(costs, key=costs.__getitem__)
 
+    def _kept_fast(self, fast: list[ScheduledChunk], step_rows: int) -> list[ScheduledChunk]:
+        """The fast chunks a whole step leaves in the fast lane: prompt chunks of requests that
+        did not ask for determinism gain nothing from canonical numerics and the fast lane's
+        prefill attention is quicker. They join the canonical pass only when the whole step
+        fits one that a CUDA graph replays, which beats launching an eager pass for them."""
+        if step_rows <= self.graph_rows:
+            return []
+        return [c for c in fast if c.num_tokens > 1]
+
     def _assign_lanes(self, plan: StepPlan, demands: list[_Demand]) -> None:
         fast = [d.fast for d in demands if d.canonical is None and d.fast is not None]
         required = [d.canonical for d in demands if d.required and d.canonical is not None]
         flexible = [d for d in demands if d.canonical is not None and not d.required]
         canonical: list[ScheduledChunk] = list(required)
         if flexible or (required and fast):
+            fast_rows = sum(c.num_tokens for c in fast)
             required_rows = sum(c.num_tokens for c in required)
+            flexible_rows = sum(d.canonical.num_tokens for d in flexible)  # type: ignore[union-attr]
+            kept = self._kept_fast(fast, fast_rows + required_rows + flexible_rows)
             strategy = self.choose_strategy(
-                sum(c.num_tokens for c in fast),
-                required_rows,
-                len(flexible),
-                sum(d.canonical.num_tokens for d in flexible),  # type: ignore[union-attr]
+                fast_rows, required_rows, len(flexible), flexible_rows, sum(c.num_tokens for c in kept)
             )
             if strategy == "speculate":
                 riders = {id(d) for d in self._riders(self._padding(required_rows), flexible)}
@@ -352,7 +367,8 @@ class Scheduler:
             else:
                 canonical += [d.canonical for d in flexible]  # type: ignore[misc]
             if strategy == "whole":
-                canonical, fast = fast + canonical, []
+                kept_ids = {id(c) for c in kept}
+                canonical, fast = [c for c in fast if id(c) not in kept_ids] + canonical, kept
             if flexible or strategy == "whole":
                 plan.strategy = strategy
                 self.stats.strategy_choices[strategy] += 1

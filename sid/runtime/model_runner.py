@@ -292,7 +292,7 @@ class ModelRunner:
         rows = PassRows()
         num_rows = sum(c.num_tokens for c in chunks)
         size = self.canonical.fit(num_rows) if canonical else num_rows
-        every_row = canonical and (size == self.canonical.base or self._graphed(size))
+        every_row = canonical and (size == self.canonical.base or self.graphed(size))
         for i, chunk in enumerate(chunks):
             r = chunk.request
             row0 = len(rows.input_ids)
@@ -418,7 +418,8 @@ class ModelRunner:
                 results[i].samples.append(SampledToken(positions[row], tokens[k], lp))
         return results
 
-    def _graphed(self, canonical_size: int) -> bool:
+    def graphed(self, canonical_size: int) -> bool:
+        """Whether a CUDA graph replays canonical passes of this many rows."""
         return self.graphs is not None and self.graphs.has_canonical(canonical_size)
 
     def _graph_runs(self, canonical: bool, prompt_rows: list[tuple[int, int, int]], num_rows: int, num_seqs: int) -> bool:
@@ -426,7 +427,7 @@ class ModelRunner:
         and decode-only fast steps (one row per sequence, no prompt logprobs) up to the
         largest bucket."""
         if canonical:
-            return self._graphed(num_rows)
+            return self.graphed(num_rows)
         if self.graphs is None:
             return False
         return not prompt_rows and num_rows == num_seqs and self.graphs.bucket(num_rows) is not None
