@@ -5,9 +5,12 @@ A canonical pass is ``canonical_rows`` (128) query rows: in a deterministic prom
 sequences. Both run from the canonical CUDA graph with ``max_seq_len`` = the model's limit.
 Each candidate of ``CANONICAL_CONFIG`` (block_m, kv_tile, kv_split, num_warps) is timed on
 those shapes for the Qwen3-0.6B (GQA 2) and Llama-3.1-8B (GQA 4) head layouts, against the
-fast schedule on the same inputs; the best is checked for bit-identity under batch
-changes (``attention.check_model``) and written as JSON for ``determinism_cost.py
---canonical-config``. Changing the default changes the numerics fingerprint.
+fast schedule on the same inputs, and its outputs are compared bit for bit with the
+default's (``differ``: query rows x heads whose output changed; 0 means the constants could
+change without changing a row's bits on this GPU). The best is checked for bit-identity
+under batch changes (``attention.check_model``) and written as JSON for
+``determinism_cost.py --canonical-config``. Changing the default changes the numerics
+fingerprint.
 
     python benchmarks/canonical_sweep.py --out results/     # H200
     python benchmarks/canonical_sweep.py --smoke            # CPU interpreter, two candidates
@@ -62,6 +65,14 @@ def time_shape(args: tuple, canonical: bool, max_seq_len: int, smoke: bool) -> f
     return ms if ms is not None else attention.bench(run, smoke)
 
 
+def canonical_out(args: tuple, max_seq_len: int) -> torch.Tensor:
+    """The canonical schedule's output for one shape under the current ``CANONICAL_CONFIG``."""
+    q = args[0]
+    max_query_len = int((args[5][1:] - args[5][:-1]).max())
+    return pa.paged_attention(*args, q.shape[-1] ** -0.5, canonical=True, out=torch.full_like(q, float("nan")),
+                              max_query_len=max_query_len, max_seq_len=max_seq_len)
+
+
 def candidates(smoke: bool, block_ms: list[int], tiles: list[int], splits: list[int], warps: list[int]) -> list[dict[str, int]]:
     if smoke:
         return [dict(pa.CANONICAL_CONFIG), {**pa.CANONICAL_CONFIG, "kv_split": 2 * pa.CANONICAL_CONFIG["kv_tile"]}]
@@ -100,13 +111,16 @@ def main() -> None:
     rows = []
     fast = {(m, s): time_shape(a, False, args.max_seq_len, args.smoke) for m, cases in per_model.items()
             for s, a in cases.items()}
+    reference = {(m, s): canonical_out(a, args.max_seq_len) for m, cases in per_model.items() for s, a in cases.items()}
     for cfg in candidates(args.smoke, _ints(args.block_m), _ints(args.kv_tile), _ints(args.kv_split), _ints(args.num_warps)):
         pa.CANONICAL_CONFIG.clear()
         pa.CANONICAL_CONFIG.update(cfg)
-        row = {**cfg}
+        row = {**cfg, "differ": 0}
         for (model, shape), fast_ms in fast.items():
             ms = time_shape(per_model[model][shape], True, args.max_seq_len, args.smoke)
             row[f"{model}:{shape}"] = ms / fast_ms  # canonical time over fast time, same inputs
+            out = canonical_out(per_model[model][shape], args.max_seq_len)
+            row["differ"] += int((out != reference[model, shape]).any(-1).sum())
         ratios = [v for k, v in row.items() if ":" in k]
         row["mean_ratio"] = sum(ratios) / len(ratios)
         row["worst_ratio"] = max(ratios)
@@ -123,7 +137,7 @@ def main() -> None:
               "rows": rows, "bit_identity_checks": checks}
     path = write_json("canonical_sweep", result, args.out)
     (path.parent / "canonical_best.json").write_text(json.dumps(best))
-    cols = ["block_m", "kv_tile", "kv_split", "num_warps", *[k for k in rows[0] if ":" in k], "mean_ratio", "worst_ratio"]
+    cols = ["block_m", "kv_tile", "kv_split", "num_warps", *[k for k in rows[0] if ":" in k], "mean_ratio", "worst_ratio", "differ"]
     print(table(rows[:8] + ([current] if current not in rows[:8] else []), cols))
     print(f"canonical/fast time ratio; best {best} (mean {rows[0]['mean_ratio']:.2f}, worst {rows[0]['worst_ratio']:.2f}) "
           f"vs default (mean {current['mean_ratio']:.2f}, worst {current['worst_ratio']:.2f}); wrote {path}")

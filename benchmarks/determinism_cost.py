@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 import random
 import statistics
 import sys
@@ -30,12 +32,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PRESETS, model_dir, table, workload, write_json  # noqa: E402
 
 from sid import LLM, SamplingParams  # noqa: E402
+from sid.engine.engine import LLMEngine  # noqa: E402
 from sid.kernels.paged_attention import CANONICAL_CONFIG  # noqa: E402
 
 FRACTIONS = (0.0, 0.02, 0.10, 0.50, 1.0)
 
 
-def run_once(llm: LLM, requests: list[tuple[list[int], int]], fraction: float) -> dict[str, float]:
+STEP_BINS = ((16, "decode <=16"), (64, "decode <=64"), (128, "decode <=128"), (1 << 30, "decode >128"))
+STEP_KINDS = ("with prompt rows", *(name for _, name in STEP_BINS))
+
+
+@contextmanager
+def step_log(engine: LLMEngine, spent: dict[str, list[float]]) -> Iterator[None]:
+    """Wall seconds and count of the engine's steps, by kind: steps with prompt rows, and
+    decode-only steps by batch size (where a fraction's extra time goes)."""
+    original = engine.step
+
+    def timed() -> list:
+        running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
+        tokens = engine.scheduler.stats.scheduled_tokens
+        start = time.perf_counter()
+        try:
+            return original()
+        finally:
+            wall = time.perf_counter() - start
+            prompt = engine.scheduler.stats.scheduled_tokens - tokens > running
+            kind = "with prompt rows" if prompt else next(name for top, name in STEP_BINS if running <= top)
+            spent[kind][0] += wall
+            spent[kind][1] += 1
+
+    engine.step = timed  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del engine.step
+
+
+def run_once(llm: LLM, requests: list[tuple[list[int], int]], fraction: float, log_steps: bool = False) -> dict[str, float]:
     rng = random.Random(1)
     flags = [rng.random() < fraction for _ in requests]
     params = [
@@ -43,8 +76,10 @@ def run_once(llm: LLM, requests: list[tuple[list[int], int]], fraction: float) -
         for (_, out), flag in zip(requests, flags)
     ]
     before = llm.stats()
+    spent: dict[str, list[float]] = {kind: [0.0, 0] for kind in STEP_KINDS} if log_steps else {}
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, use_tqdm=False)
+    with step_log(llm.llm_engine, spent) if log_steps else nullcontext():
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     after = llm.stats()
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -59,6 +94,8 @@ def run_once(llm: LLM, requests: list[tuple[list[int], int]], fraction: float) -
         "proposed_tokens": after["proposed_tokens"] - before["proposed_tokens"],
         "canonical_passes": after["canonical_passes"] - before["canonical_passes"],
         **{f"chose_{k}": v - before["strategy_choices"][k] for k, v in after["strategy_choices"].items()},
+        **{f"{kind} s": v[0] for kind, v in spent.items()},
+        **{f"{kind} steps": v[1] for kind, v in spent.items()},
     }
 
 
@@ -80,6 +117,8 @@ def main() -> None:
     ap.add_argument("--keep-prefix-cache", action="store_true",
                     help="let a run find the prompts the runs before it cached (the repeats submit the same "
                          "requests; by default every run starts with the prefix cache reset, so it computes them)")
+    ap.add_argument("--step-log", action="store_true",
+                    help="also time the engine's steps by kind (steps with prompt rows; decode steps by batch size)")
     ap.add_argument("--smoke", action="store_true", help="CPU-sized: 24 requests of 16..64 tokens on the default model")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -105,7 +144,7 @@ def main() -> None:
         for fraction in fractions:
             if not args.keep_prefix_cache and not llm.reset_prefix_cache():
                 raise RuntimeError("the prefix cache could not be reset: requests are still unfinished")
-            runs[fraction].append(run_once(llm, requests, fraction))
+            runs[fraction].append(run_once(llm, requests, fraction, args.step_log))
             print(f"round {i + 1} fraction {fraction:.2f}: {runs[fraction][-1]['output_tok_s']:.0f} out tok/s, "
                   f"{runs[fraction][-1]['rollbacks']} rollbacks")  # progress, in case the call is cut short
     rows = []
@@ -136,6 +175,10 @@ def main() -> None:
     print(f"{meta['model']} on {meta['device']} ({meta['dtype']}), canonical passes of {meta['canonical_sizes']} rows, "
           f"W={meta['verify_window']}")
     print(table(rows, cols))
+    if args.step_log:
+        cols = ["fraction", *(f"{k} {unit}" for k in STEP_KINDS for unit in ("s", "steps"))]
+        print("median seconds and steps by kind of step:")
+        print(table(rows, cols))
     print(f"wrote {path}")
 
 

@@ -5,7 +5,8 @@
 #        canonical_sweep cost_swept (the cost with the sweep's best canonical attention constants)
 #        pass_invariance cost_qwen_m128 (canonical passes of 128 rows only)
 #        repro_trained repro_llama serve profile_qwen profile_qwen_lockstep profile_qwen_det profile_llama prefill prefill_qwen
-# Environment: REPEATS (cost_*, default 1), FRACTIONS (cost_*, default all), LLAMA_REQUESTS, PREFILL_SEQS (default 8).
+# Environment: REPEATS (cost_*, default 1), FRACTIONS (cost_*, default all), STEP_LOG=1 (cost_*: time steps by kind),
+#   LLAMA_REQUESTS, PREFILL_SEQS (default 8).
 # `serve` needs the server's packages, absent on the H200 image: carry them as wheels in .whl
 # (ignored by git), made here with, for each of fastapi starlette pydantic pydantic_core uvicorn
 # annotated-types typing-inspection annotated-doc opentelemetry-api importlib-metadata at the venv's versions:
@@ -17,7 +18,7 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 SID_TRAINED_MODEL=$PWD/.carry/models/tiny-pycode-llama
 RES=/tmp/sid-results; mkdir -p "$RES"; OUT=${OUT:-out}; mkdir -p "$OUT"
 TRAINED=$SID_TRAINED_MODEL
-FRAC=${FRACTIONS:+--fractions $FRACTIONS}
+FRAC="${FRACTIONS:+--fractions $FRACTIONS} ${STEP_LOG:+--step-log}"
 
 run_step() {
   local name=$1 limit=$2; shift 2
