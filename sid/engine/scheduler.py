@@ -113,15 +113,13 @@ class PassSizes:
 
 @dataclass(frozen=True)
 class PassCostModel:
-    """Relative time of one forward pass of ``rows`` rows, ``(1 + (rows / knee)**3) ** (1/3)``,
-    times ``canonical_factor`` for a canonical pass (its attention schedule, eager launches).
+    """Relative time of one forward pass of ``rows`` rows: ``max(1, rows / knee)``, times
+    ``canonical_factor`` for a canonical pass (its attention schedule, eager launches).
 
-    On a GPU a pass is bound by reading the weights while it has few rows and by the GEMMs'
-    arithmetic beyond about ``knee`` rows; between the two the costs blend. Llama-3.1-8B on
-    an H200 (DESIGN 3.5), relative to one row: 128 rows 1.18, 256 1.58, 512 2.93, 1,024
-    6.30; this model says 1.13, 1.64, 3.05, 6.05. A 128-row canonical pass therefore costs a
-    step of 16 rows about an eighth more, which makes speculating cheaper when few requests
-    run. On a CPU rows cost about linearly beyond a few.
+    On a GPU a pass is bound by reading the weights until the GEMMs turn compute-bound near
+    ``knee`` rows (DESIGN 3.5, Llama-3.1-8B on an H200, relative to one row: 128 rows 1.18,
+    256 1.58, 512 2.93, 1,024 6.30; this model says 1, 1.33, 2.67, 5.33). On a CPU rows
+    cost about linearly beyond a few.
     """
 
     knee: int
@@ -130,10 +128,10 @@ class PassCostModel:
     def cost(self, rows: int, canonical: bool = False) -> float:
         if not rows:
             return 0.0
-        return (1.0 + (rows / self.knee) ** 3) ** (1 / 3) * (self.canonical_factor if canonical else 1.0)
+        return max(1.0, rows / self.knee) * (self.canonical_factor if canonical else 1.0)
 
 
-GPU_COST = PassCostModel(knee=170)
+GPU_COST = PassCostModel(knee=192)
 CPU_COST = PassCostModel(knee=8)
 
 @dataclass
