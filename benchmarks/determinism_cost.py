@@ -19,36 +19,35 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import PRESETS, model_dir, table, workload, write_json  # noqa: E402
 
-from sid import LLM, SamplingParams  # noqa: E402
+from sid import LLM, RequestOutput, SamplingParams  # noqa: E402
 from sid.engine.engine import LLMEngine  # noqa: E402
 from sid.kernels.paged_attention import CANONICAL_CONFIG  # noqa: E402
 
 FRACTIONS = (0.0, 0.02, 0.10, 0.50, 1.0)
-
-
 STEP_BINS = ((16, "decode <=16"), (64, "decode <=64"), (128, "decode <=128"), (1 << 30, "decode >128"))
 STEP_KINDS = ("with prompt rows", *(name for _, name in STEP_BINS))
 
 
 @contextmanager
 def step_log(engine: LLMEngine, spent: dict[str, list[float]]) -> Iterator[None]:
-    """Wall seconds and count of the engine's steps, by kind: steps with prompt rows, and
-    decode-only steps by batch size (where a fraction's extra time goes)."""
+    """Wall seconds and count of the engine's steps, by kind (where a fraction's extra time
+    goes): steps that schedule more rows than requests (prompt chunks, or verification
+    windows of several rows), and the other steps by how many requests are unfinished."""
     original = engine.step
 
-    def timed() -> list:
+    def timed() -> list[RequestOutput]:
         running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
         tokens = engine.scheduler.stats.scheduled_tokens
         start = time.perf_counter()

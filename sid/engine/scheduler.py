@@ -13,8 +13,9 @@ positions, recomputation after preemption, and verification of a full window of
 proposals. A deterministic request in its decode phase is flexible: it can speculate in
 the fast lane, or decode (verifying any proposals it holds) directly in a canonical pass.
 A cost model picks, per step, among speculating, decoding directly, and running the whole
-step canonically; when it picks speculating, requests whose rows fit in the padding of a
-canonical pass that runs anyway decode directly there.
+step canonically (other requests' prompt chunks stay fast unless one graphed pass holds the
+step); when it picks speculating, requests whose rows fit in the padding of a canonical
+pass that runs anyway decode directly there.
 """
 
 from __future__ import annotations
