@@ -51,26 +51,27 @@ def shapes(pool: attention.Pool, heads: int, rows: int, offsets: tuple[int, ...]
     return out
 
 
-def time_shape(args: tuple, canonical: bool, max_seq_len: int, smoke: bool) -> float:
+def attend(args: tuple, canonical: bool, max_seq_len: int, out: torch.Tensor) -> torch.Tensor:
+    """One launch of the kernel on a shape's arguments, under the current ``CANONICAL_CONFIG``."""
     q = args[0]
-    out = torch.empty_like(q)
     max_query_len = int((args[5][1:] - args[5][:-1]).max())
-    scale = q.shape[-1] ** -0.5
+    return pa.paged_attention(*args, q.shape[-1] ** -0.5, canonical=canonical, out=out, max_query_len=max_query_len,
+                              max_seq_len=max_seq_len)
+
+
+def time_shape(args: tuple, canonical: bool, max_seq_len: int, smoke: bool) -> float:
+    out = torch.empty_like(args[0])
 
     def run() -> None:
-        pa.paged_attention(*args, scale, canonical=canonical, out=out, max_query_len=max_query_len,
-                           max_seq_len=max_seq_len)
+        attend(args, canonical, max_seq_len, out)
 
     ms = attention.bench_graph(run, smoke)
     return ms if ms is not None else attention.bench(run, smoke)
 
 
 def canonical_out(args: tuple, max_seq_len: int) -> torch.Tensor:
-    """The canonical schedule's output for one shape under the current ``CANONICAL_CONFIG``."""
-    q = args[0]
-    max_query_len = int((args[5][1:] - args[5][:-1]).max())
-    return pa.paged_attention(*args, q.shape[-1] ** -0.5, canonical=True, out=torch.full_like(q, float("nan")),
-                              max_query_len=max_query_len, max_seq_len=max_seq_len)
+    """The canonical schedule's output for one shape, in a NaN-poisoned buffer."""
+    return attend(args, True, max_seq_len, torch.full_like(args[0], float("nan")))
 
 
 def candidates(smoke: bool, block_ms: list[int], tiles: list[int], splits: list[int], warps: list[int]) -> list[dict[str, int]]:

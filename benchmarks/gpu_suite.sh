@@ -18,7 +18,7 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 SID_TRAINED_MODEL=$PWD/.carry/models/tiny-pycode-llama
 RES=/tmp/sid-results; mkdir -p "$RES"; OUT=${OUT:-out}; mkdir -p "$OUT"
 TRAINED=$SID_TRAINED_MODEL
-FRAC="${FRACTIONS:+--fractions $FRACTIONS} ${STEP_LOG:+--step-log}"
+COST_ARGS="${FRACTIONS:+--fractions $FRACTIONS} ${STEP_LOG:+--step-log}"
 
 run_step() {
   local name=$1 limit=$2; shift 2
@@ -37,15 +37,15 @@ step() {
     throughput_qwen) run_step throughput_qwen 200 python3 benchmarks/throughput.py --model qwen3-0.6b --peer --lockstep --out "$RES" ;;
     throughput_llama) run_step throughput_llama 200 python3 benchmarks/throughput.py --model llama-3.1-8b --lockstep --out "$RES" ;;
     decode_roofline) run_step decode_roofline 200 python3 benchmarks/decode_roofline.py --model llama-3.1-8b --out "$RES" ;;
-    cost_qwen) run_step cost_qwen 400 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --repeats "${REPEATS:-1}" $FRAC --out "$RES/qwen" ;;
+    cost_qwen) run_step cost_qwen 400 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --repeats "${REPEATS:-1}" $COST_ARGS --out "$RES/qwen" ;;
     cost_qwen_m256) run_step cost_qwen_m256 300 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --canonical-rows 256 --repeats "${REPEATS:-1}" --fractions 0,0.5,1.0 --out "$RES/qwen_m256" ;;
-    cost_qwen_m128) run_step cost_qwen_m128 300 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --max-canonical-rows 128 --repeats "${REPEATS:-1}" $FRAC --out "$RES/qwen_m128" ;;
+    cost_qwen_m128) run_step cost_qwen_m128 300 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --max-canonical-rows 128 --repeats "${REPEATS:-1}" $COST_ARGS --out "$RES/qwen_m128" ;;
     pass_invariance) run_step pass_invariance 120 python3 benchmarks/pass_invariance.py --out "$RES" ;;
     canonical_sweep) run_step canonical_sweep 200 python3 benchmarks/canonical_sweep.py --out "$RES/sweep" ;;
     cost_swept) run_step cost_swept_qwen 150 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --repeats 1 --fractions 0,0.02,0.1,0.5,1.0 --canonical-config "$RES/sweep/canonical_best.json" --out "$RES/swept_qwen"
       run_step cost_swept_llama 240 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --repeats 1 --fractions 0,0.5,1.0 --canonical-config "$RES/sweep/canonical_best.json" --out "$RES/swept_llama" ;;
-    cost_llama) run_step cost_llama 580 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --requests "${LLAMA_REQUESTS:-256}" --repeats "${REPEATS:-1}" $FRAC --out "$RES/llama" ;;
-    cost_trained) run_step cost_trained 200 python3 benchmarks/determinism_cost.py --model "$TRAINED" --max-len 400 --repeats 1 $FRAC --out "$RES/trained" ;;
+    cost_llama) run_step cost_llama 580 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --requests "${LLAMA_REQUESTS:-256}" --repeats "${REPEATS:-1}" $COST_ARGS --out "$RES/llama" ;;
+    cost_trained) run_step cost_trained 200 python3 benchmarks/determinism_cost.py --model "$TRAINED" --max-len 400 --repeats 1 $COST_ARGS --out "$RES/trained" ;;
     repro_trained) run_step repro_trained 200 python3 -m sid repro --model "$TRAINED" --device cuda --out "$RES/repro_trained" ;;
     serve) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
       export PYTHONPATH=$PYTHONPATH:/tmp/site && run_step serve 400 python3 benchmarks/serve.py --model llama-3.1-8b --out "$RES" ;;

@@ -176,7 +176,6 @@ class Scheduler:
         verify_window: int,
         strategy: str = "auto",
         cost_model: PassCostModel = CPU_COST,
-        graph_rows: int = 0,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown determinism strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
@@ -187,8 +186,8 @@ class Scheduler:
         self.verify_window = verify_window
         self.strategy = strategy
         self.cost_model = cost_model
-        self.graph_rows = graph_rows
-        """Largest canonical pass a CUDA graph replays (0: none)."""
+        self.graph_rows = 0
+        """Largest canonical pass a CUDA graph replays (0: none); the engine sets it."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -323,7 +322,7 @@ class Scheduler:
 
         Speculating costs a fast row now and, later, a share of the pass that verifies the
         window: ``num_flexible`` windows of ``W + 1`` rows every ``W`` steps. A whole step
-        leaves ``kept_rows`` of the fast rows in a fast pass (see ``_kept_fast``)."""
+        leaves ``kept_rows`` of the fast rows in a fast pass (see ``_whole_split``)."""
         if self.strategy != "auto":
             return self.strategy
         m, w = self.cost_model, self.verify_window
@@ -336,14 +335,15 @@ class Scheduler:
         }
         return min(costs, key=costs.__getitem__)
 
-    def _kept_fast(self, fast: list[ScheduledChunk], step_rows: int) -> list[ScheduledChunk]:
-        """The fast chunks a whole step leaves in the fast lane: prompt chunks of requests that
-        did not ask for determinism gain nothing from canonical numerics and the fast lane's
-        prefill attention is quicker. They join the canonical pass only when the whole step
-        fits one that a CUDA graph replays, which beats launching an eager pass for them."""
+    def _whole_split(self, fast: list[ScheduledChunk], step_rows: int) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
+        """The fast chunks a whole step (kept, moved) keeps in the fast lane and moves into its
+        canonical passes. Prompt chunks of requests that did not ask for determinism gain
+        nothing from canonical numerics and the fast lane's prefill attention is quicker; they
+        move only when the whole step fits one canonical pass that a CUDA graph replays, which
+        beats launching an eager pass for them."""
         if step_rows <= self.graph_rows:
-            return []
-        return [c for c in fast if c.num_tokens > 1]
+            return [], fast
+        return [c for c in fast if c.num_tokens > 1], [c for c in fast if c.num_tokens == 1]
 
     def _assign_lanes(self, plan: StepPlan, demands: list[_Demand]) -> None:
         fast = [d.fast for d in demands if d.canonical is None and d.fast is not None]
@@ -354,7 +354,7 @@ class Scheduler:
             fast_rows = sum(c.num_tokens for c in fast)
             required_rows = sum(c.num_tokens for c in required)
             flexible_rows = sum(d.canonical.num_tokens for d in flexible)  # type: ignore[union-attr]
-            kept = self._kept_fast(fast, fast_rows + required_rows + flexible_rows)
+            kept, moved = self._whole_split(fast, fast_rows + required_rows + flexible_rows)
             strategy = self.choose_strategy(
                 fast_rows, required_rows, len(flexible), flexible_rows, sum(c.num_tokens for c in kept)
             )
@@ -368,8 +368,7 @@ class Scheduler:
             else:
                 canonical += [d.canonical for d in flexible]  # type: ignore[misc]
             if strategy == "whole":
-                kept_ids = {id(c) for c in kept}
-                canonical, fast = [c for c in fast if id(c) not in kept_ids] + canonical, kept
+                canonical, fast = moved + canonical, kept
             if flexible or strategy == "whole":
                 plan.strategy = strategy
                 self.stats.strategy_choices[strategy] += 1
