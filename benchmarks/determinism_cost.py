@@ -18,6 +18,7 @@ the runs before them, as the figures recorded before the fifth session did).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -25,6 +26,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,6 +35,7 @@ from common import PRESETS, model_dir, table, workload, write_json  # noqa: E402
 
 from sid import LLM, RequestOutput, SamplingParams  # noqa: E402
 from sid.engine.engine import LLMEngine  # noqa: E402
+from sid.engine.scheduler import StepPlan  # noqa: E402
 from sid.kernels.paged_attention import CANONICAL_CONFIG  # noqa: E402
 
 FRACTIONS = (0.0, 0.02, 0.10, 0.50, 1.0)
@@ -41,15 +44,32 @@ STEP_KINDS = ("with prompt rows", *(name for _, name in STEP_BINS))
 
 
 @contextmanager
-def step_log(engine: LLMEngine, spent: dict[str, list[float]]) -> Iterator[None]:
+def step_log(engine: LLMEngine, spent: dict[str, list[float]], trace: list[dict[str, object]]) -> Iterator[None]:
     """Wall seconds and count of the engine's steps, by kind (where a fraction's extra time
     goes): steps that schedule more rows than requests (prompt chunks, or verification
-    windows of several rows), and the other steps by how many requests are unfinished."""
-    original = engine.step
+    windows of several rows), and the other steps by how many requests are unfinished.
+    ``trace`` gets one entry per step: its kind, wall ms, fast rows, canonical passes' rows,
+    the strategy the scheduler chose and the ms the step spent in Python's garbage collector,
+    to compare steps of the same make-up across runs."""
+    original, schedule = engine.step, engine.scheduler.schedule
+    plans: list[StepPlan] = []
+    collecting = [0.0, 0.0]  # start of the collection under way, seconds collected this step
+
+    def collector(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collecting[0] = time.perf_counter()
+        else:
+            collecting[1] += time.perf_counter() - collecting[0]
+
+    def planned() -> StepPlan:
+        plans.append(schedule())
+        return plans[-1]
 
     def timed() -> list[RequestOutput]:
         running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
         tokens = engine.scheduler.stats.scheduled_tokens
+        plans.clear()
+        collecting[1] = 0.0
         start = time.perf_counter()
         try:
             return original()
@@ -59,12 +79,24 @@ def step_log(engine: LLMEngine, spent: dict[str, list[float]]) -> Iterator[None]
             kind = "with prompt rows" if prompt else next(name for top, name in STEP_BINS if running <= top)
             spent[kind][0] += wall
             spent[kind][1] += 1
+            plan = plans[-1] if plans else StepPlan()
+            trace.append({
+                "kind": kind,
+                "ms": round(wall * 1e3, 3),
+                "fast": sum(c.num_tokens for c in plan.fast),
+                "canonical": [sum(c.num_tokens for c in p) for p in plan.canonical],
+                "strategy": plan.strategy,
+                "gc_ms": round(collecting[1] * 1e3, 3),
+            })
 
     engine.step = timed  # type: ignore[method-assign]
+    engine.scheduler.schedule = planned  # type: ignore[method-assign]
+    gc.callbacks.append(collector)
     try:
         yield
     finally:
-        del engine.step
+        gc.callbacks.remove(collector)
+        del engine.step, engine.scheduler.schedule
 
 
 def run_once(llm: LLM, requests: list[tuple[list[int], int]], fraction: float, log_steps: bool = False) -> dict[str, float]:
@@ -76,14 +108,17 @@ def run_once(llm: LLM, requests: list[tuple[list[int], int]], fraction: float, l
     ]
     before = llm.stats()
     spent: dict[str, list[float]] = {kind: [0.0, 0] for kind in STEP_KINDS} if log_steps else {}
+    trace: list[dict[str, object]] = []
+    started = time.time()
     start = time.perf_counter()
-    with step_log(llm.llm_engine, spent) if log_steps else nullcontext():
+    with step_log(llm.llm_engine, spent, trace) if log_steps else nullcontext():
         outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     after = llm.stats()
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     normal_tokens = sum(len(o.outputs[0].token_ids) for o, f in zip(outs, flags) if not f)
     return {
+        "started": started,
         "seconds": seconds,
         "output_tok_s": out_tokens / seconds,
         "normal_output_tok_s": normal_tokens / seconds,
@@ -95,6 +130,7 @@ def run_once(llm: LLM, requests: list[tuple[list[int], int]], fraction: float, l
         **{f"chose_{k}": v - before["strategy_choices"][k] for k, v in after["strategy_choices"].items()},
         **{f"{kind} s": v[0] for kind, v in spent.items()},
         **{f"{kind} steps": v[1] for kind, v in spent.items()},
+        **({"trace": trace} if log_steps else {}),
     }
 
 
@@ -148,7 +184,7 @@ def main() -> None:
                   f"{runs[fraction][-1]['rollbacks']} rollbacks")  # progress, in case the call is cut short
     rows = []
     for fraction, done in runs.items():
-        median = {k: statistics.median(r[k] for r in done) for k in done[0]}
+        median = {k: statistics.median(r[k] for r in done) for k in done[0] if k not in ("trace", "started")}
         rows.append({"fraction": fraction, **median, "runs": done})
     base = rows[0]["output_tok_s"]
     for row in rows:
@@ -167,6 +203,7 @@ def main() -> None:
         "fingerprint": engine.fingerprint,
         "prefix_cache_reset_per_run": not args.keep_prefix_cache,
         "canonical_attention": engine.numerics["attention"],
+        "pass_costs": asdict(engine.scheduler.cost_model),  # type: ignore[call-overload]
     }
     path = write_json("determinism_cost", {**meta, "rows": rows}, args.out)
     cols = ["fraction", "output_tok_s", "normalised", "normal_output_tok_s", "rollbacks", "recomputed_tokens",
@@ -174,6 +211,7 @@ def main() -> None:
     print(f"{meta['model']} on {meta['device']} ({meta['dtype']}), canonical passes of {meta['canonical_sizes']} rows, "
           f"W={meta['verify_window']}")
     print(table(rows, cols))
+    print(f"the scheduler's pass costs: {meta['pass_costs']}")
     if args.step_log:
         cols = ["fraction", *(f"{k} {unit}" for k in STEP_KINDS for unit in ("s", "steps"))]
         print("median seconds and steps by kind of step:")

@@ -6,6 +6,7 @@
 #        pass_invariance cost_qwen_m128 (canonical passes of 128 rows only)
 #        repro_trained repro_llama serve profile_qwen profile_qwen_lockstep profile_qwen_det profile_llama prefill prefill_qwen
 # Environment: REPEATS (cost_*, default 1), FRACTIONS (cost_*, default all), STEP_LOG=1 (cost_*: time steps by kind),
+#   STRATEGY (cost_*: auto, speculate, direct or whole; default auto),
 #   LLAMA_REQUESTS, PREFILL_SEQS (default 8).
 # `serve` needs the server's packages, absent on the H200 image: carry them as wheels in .whl
 # (ignored by git), made here with, for each of fastapi starlette pydantic pydantic_core uvicorn
@@ -18,7 +19,7 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 SID_TRAINED_MODEL=$PWD/.carry/models/tiny-pycode-llama
 RES=/tmp/sid-results; mkdir -p "$RES"; OUT=${OUT:-out}; mkdir -p "$OUT"
 TRAINED=$SID_TRAINED_MODEL
-COST_ARGS="${FRACTIONS:+--fractions $FRACTIONS} ${STEP_LOG:+--step-log}"
+COST_ARGS="${FRACTIONS:+--fractions $FRACTIONS} ${STEP_LOG:+--step-log} ${STRATEGY:+--strategy $STRATEGY}"
 
 run_step() {
   local name=$1 limit=$2; shift 2
@@ -64,10 +65,15 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee "
 # The device's copy of the tree carries a stale .git: name the sources by their digest
 # (here: find sid -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum) to match a run with a commit.
 echo "sources $(find sid -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)" | tee -a "$RES/summary.txt"
+# The GPU's clocks, power and throttle reasons every 250 ms, to tell a slow GPU from a slow host.
+SMI=clocks_event_reasons.active; nvidia-smi --query-gpu=$SMI --format=csv >/dev/null 2>&1 || SMI=clocks_throttle_reasons.active
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,$SMI --format=csv -lms 250 > "$RES/smi.csv" 2>&1 &
+SMI_PID=$!
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from common import model_dir; model_dir('llama-3.1-8b'); model_dir('qwen3-0.6b')"
 for s in "${@:-tests throughput_qwen decode_roofline throughput_llama}"; do
   for one in $s; do step "$one"; done
 done
+kill $SMI_PID 2>/dev/null
 tar czf "$OUT/results.tar.gz" -C "$RES" .
 cp "$RES/summary.txt" "$OUT/summary.txt"
 cat "$RES/summary.txt"

@@ -159,31 +159,6 @@ def test_speculating_requests_ride_in_the_padding_of_a_canonical_pass(trained_mo
     assert plan.strategy == "speculate" and len(plan.canonical) == 1
 
 
-def test_a_whole_step_leaves_fast_prompt_chunks_in_the_fast_lane_unless_one_graph_holds_it(trained_model: Path) -> None:
-    sched = LLM(str(trained_model), num_kv_blocks=64, determinism_strategy="whole").llm_engine.scheduler
-    sched.graph_rows = 64
-    flexible = Request("d", None, list(range(40)), det(), 0, 1, frozenset(), 0, deterministic=True)
-    decoding = Request("f", None, list(range(40)), SamplingParams(max_tokens=8), 0, 1, frozenset(), 0)
-    prompt = Request("p", None, list(range(100)), SamplingParams(max_tokens=8), 0, 1, frozenset(), 0)
-
-    def plan_for(prompt_rows: int) -> StepPlan:
-        plan = StepPlan()
-        demands = [
-            _Demand(ScheduledChunk(flexible, 39, 1), ScheduledChunk(flexible, 39, 1)),
-            _Demand(fast=ScheduledChunk(decoding, 39, 1)),
-            _Demand(fast=ScheduledChunk(prompt, 0, prompt_rows)),
-        ]
-        sched._assign_lanes(plan, demands)
-        return plan
-
-    small = plan_for(40)  # 42 rows: one graphed 64-row pass holds the whole step
-    assert small.fast == [] and sorted(c.request.request_id for c in small.canonical[0]) == ["d", "f", "p"]
-    large = plan_for(90)  # 92 rows: the prompt chunk runs fast, the decodes canonically
-    assert [c.request.request_id for c in large.fast] == ["p"]
-    assert sorted(c.request.request_id for p in large.canonical for c in p) == ["d", "f"]
-    assert small.strategy == large.strategy == "whole"
-
-
 def test_canonical_prefix_blocks_are_reused_and_fast_blocks_never_read(trained_model: Path) -> None:
     llm = LLM(str(trained_model), num_kv_blocks=256)
     prompt = "import numpy as np\n" * 12 + PROMPT

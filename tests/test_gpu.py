@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sid import LLM, SamplingParams
-from sid.engine.scheduler import ScheduledChunk
+from sid.engine.scheduler import MeasuredPassCost, ScheduledChunk
 from tests.test_models import record_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU twins run in CI)")
@@ -166,3 +166,14 @@ def test_large_canonical_passes_give_the_bits_of_small_ones_in_bf16(trained_mode
         del llm
     assert seen[0] == seen[1]
     assert passes[1] < passes[0]
+
+
+def test_the_scheduler_weighs_passes_the_engine_timed_at_start_up(trained_model: Path) -> None:
+    """Graphed and eager passes of both lanes are timed (CPU twin: test_pass_costs.py)."""
+    engine = LLM(str(trained_model), gpu_memory_utilization=0.3).llm_engine
+    sched, cost = engine.scheduler, engine.scheduler.cost_model
+    assert isinstance(cost, MeasuredPassCost)
+    assert sched.fast_graph_rows == engine.runner.graphs.buckets[-1] and sched.graph_rows >= engine.canonical_rows
+    assert cost.canonical_graphed[-1][0] == sched.graph_rows and cost.canonical_eager[-1][0] == engine.canonical.max
+    for table in (cost.fast_graphed, cost.fast_eager, cost.canonical_graphed, cost.canonical_eager):
+        assert table and all(ms > 0 for _, ms in table)

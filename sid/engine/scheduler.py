@@ -13,9 +13,9 @@ positions, recomputation after preemption, and verification of a full window of
 proposals. A deterministic request in its decode phase is flexible: it can speculate in
 the fast lane, or decode (verifying any proposals it holds) directly in a canonical pass.
 A cost model picks, per step, among speculating, decoding directly, and running the whole
-step canonically (other requests' prompt chunks stay fast unless one graphed pass holds the
-step); when it picks speculating, requests whose rows fit in the padding of a canonical
-pass that runs anyway decode directly there.
+step canonically (other requests' prompt chunks stay in a fast pass when that is
+cheaper); when it picks speculating, requests whose rows fit in the padding of a canonical
+pass that runs anyway decode directly there. On a GPU the pass costs are timed at start-up.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from sid.engine.kv_cache import KVCacheManager
 from sid.engine.request import Request, RequestStatus
@@ -112,28 +113,65 @@ class PassSizes:
         raise RuntimeError(f"a canonical pass of {rows} rows exceeds the largest size, {self.max}")
 
 
+class PassCost(Protocol):
+    """Time of one forward pass, in a unit of the model's own choosing: the scheduler only
+    compares sums of these. ``graphed``: a CUDA graph replays the pass (no launch gaps)."""
+
+    def fast(self, rows: int, graphed: bool) -> float: ...
+
+    def canonical(self, size: int, graphed: bool) -> float: ...
+
+
 @dataclass(frozen=True)
 class PassCostModel:
-    """Relative time of one forward pass of ``rows`` rows: ``max(1, rows / knee)``, times
-    ``canonical_factor`` for a canonical pass (its attention schedule, eager launches).
-
-    On a GPU a pass is bound by reading the weights until the GEMMs turn compute-bound near
-    ``knee`` rows (DESIGN 3.5, Llama-3.1-8B on an H200, relative to one row: 128 rows 1.18,
-    256 1.58, 512 2.93, 1,024 6.30; this model says 1, 1.33, 2.67, 5.33). On a CPU rows
-    cost about linearly beyond a few.
-    """
+    """``max(1, rows / knee)``, times ``canonical_factor`` for a canonical pass (its
+    attention schedule): a pass is bound by reading the weights until the GEMMs turn
+    compute-bound near ``knee`` rows. On a CPU rows cost about linearly beyond a few; on a
+    GPU the engine replaces this with passes it timed at start-up (``MeasuredPassCost``),
+    since what a pass costs there depends on the model (a small one is bound by launching
+    its kernels, which a CUDA graph avoids, a large one by its weights)."""
 
     knee: int
     canonical_factor: float = 1.05
 
-    def cost(self, rows: int, canonical: bool = False) -> float:
-        if not rows:
-            return 0.0
-        return max(1.0, rows / self.knee) * (self.canonical_factor if canonical else 1.0)
+    def fast(self, rows: int, graphed: bool = False) -> float:
+        return max(1.0, rows / self.knee) if rows else 0.0
+
+    def canonical(self, size: int, graphed: bool = False) -> float:
+        return self.fast(size) * self.canonical_factor
+
+
+@dataclass(frozen=True)
+class MeasuredPassCost:
+    """Wall milliseconds of passes timed at start-up (``sid.engine.calibrate``), as
+    ``(rows, ms)`` points per lane and launch mode, interpolated linearly between points and
+    extrapolated along the last segment. A mode with no points (nothing graphed) is never asked."""
+
+    fast_graphed: tuple[tuple[int, float], ...] = ()
+    fast_eager: tuple[tuple[int, float], ...] = ()
+    canonical_graphed: tuple[tuple[int, float], ...] = ()
+    canonical_eager: tuple[tuple[int, float], ...] = ()
+
+    def fast(self, rows: int, graphed: bool) -> float:
+        return _interpolate(self.fast_graphed if graphed else self.fast_eager, rows) if rows else 0.0
+
+    def canonical(self, size: int, graphed: bool) -> float:
+        return _interpolate(self.canonical_graphed if graphed else self.canonical_eager, size)
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], rows: int) -> float:
+    if not points:
+        raise ValueError("no pass of this kind was timed")
+    if len(points) == 1 or rows <= points[0][0]:
+        return points[0][1]
+    i = min(max(bisect_left([r for r, _ in points], rows), 1), len(points) - 1)
+    (r0, t0), (r1, t1) = points[i - 1], points[i]
+    return max(0.0, t0 + (t1 - t0) * (rows - r0) / (r1 - r0))
 
 
 GPU_COST = PassCostModel(knee=192)
 CPU_COST = PassCostModel(knee=8)
+
 
 @dataclass
 class SchedulerStats:
@@ -175,7 +213,7 @@ class Scheduler:
         canonical: PassSizes,
         verify_window: int,
         strategy: str = "auto",
-        cost_model: PassCostModel = CPU_COST,
+        cost_model: PassCost = CPU_COST,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown determinism strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
@@ -188,6 +226,8 @@ class Scheduler:
         self.cost_model = cost_model
         self.graph_rows = 0
         """Largest canonical pass a CUDA graph replays (0: none); the engine sets it."""
+        self.fast_graph_rows = 0
+        """Largest fast decode step (one row per request) a CUDA graph replays; the engine sets it."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -313,37 +353,50 @@ class Scheduler:
         return sum(self._pass_sizes(rows)) - rows
 
     def _passes_cost(self, rows: int) -> float:
-        return sum(self.cost_model.cost(size, canonical=True) for size in self._pass_sizes(rows))
+        return sum(self.cost_model.canonical(size, size <= self.graph_rows) for size in self._pass_sizes(rows))
+
+    def _fast_cost(self, rows: int, prompt_rows: int) -> float:
+        """A fast pass of ``rows`` rows, ``prompt_rows`` of them in prompt chunks (which rule
+        out a decode graph)."""
+        return self.cost_model.fast(rows, not prompt_rows and rows <= self.fast_graph_rows)
+
+    def _whole_keeps_prompts(self, fast_rows: int, fast_prompt_rows: int, canonical_rows: int) -> bool:
+        """Whether a whole step leaves the fast lane's prompt chunks in a fast pass, rather
+        than running everything in its canonical passes: those requests did not ask for
+        determinism and the fast lane's prefill attention is quicker, but a pass more costs
+        a launch-bound model a whole pass."""
+        if not fast_prompt_rows:
+            return False
+        moved = fast_rows - fast_prompt_rows + canonical_rows
+        kept = self._fast_cost(fast_prompt_rows, fast_prompt_rows) + self._passes_cost(moved)
+        return kept < self._passes_cost(fast_rows + canonical_rows)
 
     def choose_strategy(
-        self, fast_rows: int, required_rows: int, num_flexible: int, flexible_rows: int, kept_rows: int = 0
+        self, fast_rows: int, required_rows: int, num_flexible: int, flexible_rows: int, fast_prompt_rows: int = 0
     ) -> str:
         """Cheapest way to run this step's flexible deterministic decodes (DESIGN 3.5).
 
         Speculating costs a fast row now and, later, a share of the pass that verifies the
-        window: ``num_flexible`` windows of ``W + 1`` rows every ``W`` steps. A whole step
-        leaves ``kept_rows`` of the fast rows in a fast pass (see ``_whole_split``)."""
+        window: ``num_flexible`` windows of ``W + 1`` rows every ``W`` steps. ``fast_prompt_rows``
+        of the ``fast_rows`` are other requests' prompt chunks, which a whole step may keep
+        in a fast pass (``_whole_keeps_prompts``)."""
         if self.strategy != "auto":
             return self.strategy
-        m, w = self.cost_model, self.verify_window
+        w = self.verify_window
+        canonical_rows = required_rows + flexible_rows
+        if self._whole_keeps_prompts(fast_rows, fast_prompt_rows, canonical_rows):
+            whole = self._fast_cost(fast_prompt_rows, fast_prompt_rows)
+            whole += self._passes_cost(fast_rows - fast_prompt_rows + canonical_rows)
+        else:
+            whole = self._passes_cost(fast_rows + canonical_rows)
         costs = {
-            "whole": m.cost(kept_rows) + self._passes_cost(fast_rows - kept_rows + required_rows + flexible_rows),
-            "direct": m.cost(fast_rows) + self._passes_cost(required_rows + flexible_rows),
-            "speculate": m.cost(fast_rows + num_flexible)
+            "whole": whole,
+            "direct": self._fast_cost(fast_rows, fast_prompt_rows) + self._passes_cost(canonical_rows),
+            "speculate": self._fast_cost(fast_rows + num_flexible, fast_prompt_rows)
             + self._passes_cost(required_rows)
             + self._passes_cost(num_flexible * (w + 1)) / w,
         }
         return min(costs, key=costs.__getitem__)
-
-    def _whole_split(self, fast: list[ScheduledChunk], step_rows: int) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
-        """The fast chunks a whole step (kept, moved) keeps in the fast lane and moves into its
-        canonical passes. Prompt chunks of requests that did not ask for determinism gain
-        nothing from canonical numerics and the fast lane's prefill attention is quicker; they
-        move only when the whole step fits one canonical pass that a CUDA graph replays, which
-        beats launching an eager pass for them."""
-        if step_rows <= self.graph_rows:
-            return [], fast
-        return [c for c in fast if c.num_tokens > 1], [c for c in fast if c.num_tokens == 1]
 
     def _assign_lanes(self, plan: StepPlan, demands: list[_Demand]) -> None:
         fast = [d.fast for d in demands if d.canonical is None and d.fast is not None]
@@ -352,12 +405,10 @@ class Scheduler:
         canonical: list[ScheduledChunk] = list(required)
         if flexible or (required and fast):
             fast_rows = sum(c.num_tokens for c in fast)
+            prompt_rows = sum(c.num_tokens for c in fast if c.num_tokens > 1)
             required_rows = sum(c.num_tokens for c in required)
             flexible_rows = sum(d.canonical.num_tokens for d in flexible)  # type: ignore[union-attr]
-            kept, moved = self._whole_split(fast, fast_rows + required_rows + flexible_rows)
-            strategy = self.choose_strategy(
-                fast_rows, required_rows, len(flexible), flexible_rows, sum(c.num_tokens for c in kept)
-            )
+            strategy = self.choose_strategy(fast_rows, required_rows, len(flexible), flexible_rows, prompt_rows)
             if strategy == "speculate":
                 riders = {id(d) for d in self._riders(self._padding(required_rows), flexible)}
                 for d in flexible:
@@ -368,7 +419,9 @@ class Scheduler:
             else:
                 canonical += [d.canonical for d in flexible]  # type: ignore[misc]
             if strategy == "whole":
-                canonical, fast = moved + canonical, kept
+                keep = self._whole_keeps_prompts(fast_rows, prompt_rows, required_rows + flexible_rows)
+                moved = [c for c in fast if not keep or c.num_tokens == 1]
+                canonical, fast = moved + canonical, [c for c in fast if keep and c.num_tokens > 1]
             if flexible or strategy == "whole":
                 plan.strategy = strategy
                 self.stats.strategy_choices[strategy] += 1

@@ -29,6 +29,26 @@ logger = logging.getLogger(__name__)
 _PARAMS = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=1)
 
 
+def synthetic_request(request_id: str, tokens: list[int], prompt_len: int, domain: str) -> Request:
+    """A request holding ``tokens``, the first ``prompt_len`` as its prompt: rows past the
+    prompt's last choose a token, so a large pass computes their logits."""
+    request = Request(
+        request_id=request_id,
+        prompt=None,
+        prompt_token_ids=tokens[:prompt_len],
+        params=_PARAMS,
+        seed=_PARAMS.seed or 0,
+        max_tokens=len(tokens),
+        eos_token_ids=frozenset(),
+        arrival=0,
+        deterministic=True,
+        domain=domain,
+    )
+    request.token_ids.extend(tokens[prompt_len:])
+    request.num_emitted = len(tokens) - prompt_len
+    return request
+
+
 class DeterminismSelfTestError(RuntimeError):
     """Canonical passes are not row-independent on this machine: no guarantee can be served."""
 
@@ -64,23 +84,7 @@ class SelfTest:
         return [s for s in self.runner.canonical.sizes[1:] if s <= self.filler_rows]
 
     def request(self, tokens: list[int], prompt_len: int) -> Request:
-        """A request holding ``tokens``, the first ``prompt_len`` as its prompt: rows past the
-        prompt's last choose a token, so a large pass computes their logits."""
-        request = Request(
-            request_id=f"selftest-{next(self._ids)}",
-            prompt=None,
-            prompt_token_ids=tokens[:prompt_len],
-            params=_PARAMS,
-            seed=_PARAMS.seed or 0,
-            max_tokens=len(tokens),
-            eos_token_ids=frozenset(),
-            arrival=0,
-            deterministic=True,
-            domain=self.domain,
-        )
-        request.token_ids.extend(tokens[prompt_len:])
-        request.num_emitted = len(tokens) - prompt_len
-        return request
+        return synthetic_request(f"selftest-{next(self._ids)}", tokens, prompt_len, self.domain)
 
     def probe_request(self) -> Request:
         return self.request(self.probe, 1)
