@@ -24,11 +24,15 @@ from sid.engine.request import Request
 from sid.engine.scheduler import MeasuredPassCost, PassSizes, ScheduledChunk
 from sid.engine.selftest import synthetic_request
 from sid.runtime.model_runner import ModelRunner
+from sid.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _PROMPT_ROWS = (16, 256, 1024)
 """Eager passes are timed at these prompt sizes and at the largest pass."""
+_GREEDY = SamplingParams(temperature=0.0)
+"""Timed passes choose their tokens greedily: a top-p sort over the vocabulary for every
+row would cost more than a small model's whole pass and drown the difference between passes."""
 
 
 def measure_pass_costs(
@@ -85,7 +89,8 @@ class _PassTimer:
         """``rows`` one-token prompts (decode rows: one row per request), or prompts of
         ``chunk_len`` tokens (the last shorter) holding ``rows`` rows in all."""
         lengths = [1] * rows if decode else [min(self.chunk_len, rows - i) for i in range(0, rows, self.chunk_len)]
-        return [synthetic_request(f"calibrate-{next(self._ids)}", self.tokens[:n], n, self.domain) for n in lengths]
+        ids = self._ids
+        return [synthetic_request(f"calibrate-{next(ids)}", self.tokens[:n], n, self.domain, _GREEDY) for n in lengths]
 
     def time(self, rows: int, *, decode: bool, canonical: bool) -> float:
         """Best wall milliseconds of a pass of ``rows`` rows, from launch to its results."""

@@ -360,16 +360,17 @@ class Scheduler:
         out a decode graph)."""
         return self.cost_model.fast(rows, not prompt_rows and rows <= self.fast_graph_rows)
 
-    def _whole_keeps_prompts(self, fast_rows: int, fast_prompt_rows: int, canonical_rows: int) -> bool:
-        """Whether a whole step leaves the fast lane's prompt chunks in a fast pass, rather
-        than running everything in its canonical passes: those requests did not ask for
+    def _whole(self, fast_rows: int, fast_prompt_rows: int, canonical_rows: int) -> tuple[float, bool]:
+        """Cost of a whole step, and whether it leaves the fast lane's prompt chunks in a fast
+        pass rather than running everything canonically: those requests did not ask for
         determinism and the fast lane's prefill attention is quicker, but a pass more costs
         a launch-bound model a whole pass."""
+        everything = self._passes_cost(fast_rows + canonical_rows)
         if not fast_prompt_rows:
-            return False
+            return everything, False
         moved = fast_rows - fast_prompt_rows + canonical_rows
         kept = self._fast_cost(fast_prompt_rows, fast_prompt_rows) + self._passes_cost(moved)
-        return kept < self._passes_cost(fast_rows + canonical_rows)
+        return (kept, True) if kept < everything else (everything, False)
 
     def choose_strategy(
         self, fast_rows: int, required_rows: int, num_flexible: int, flexible_rows: int, fast_prompt_rows: int = 0
@@ -379,18 +380,13 @@ class Scheduler:
         Speculating costs a fast row now and, later, a share of the pass that verifies the
         window: ``num_flexible`` windows of ``W + 1`` rows every ``W`` steps. ``fast_prompt_rows``
         of the ``fast_rows`` are other requests' prompt chunks, which a whole step may keep
-        in a fast pass (``_whole_keeps_prompts``)."""
+        in a fast pass (``_whole``)."""
         if self.strategy != "auto":
             return self.strategy
         w = self.verify_window
         canonical_rows = required_rows + flexible_rows
-        if self._whole_keeps_prompts(fast_rows, fast_prompt_rows, canonical_rows):
-            whole = self._fast_cost(fast_prompt_rows, fast_prompt_rows)
-            whole += self._passes_cost(fast_rows - fast_prompt_rows + canonical_rows)
-        else:
-            whole = self._passes_cost(fast_rows + canonical_rows)
         costs = {
-            "whole": whole,
+            "whole": self._whole(fast_rows, fast_prompt_rows, canonical_rows)[0],
             "direct": self._fast_cost(fast_rows, fast_prompt_rows) + self._passes_cost(canonical_rows),
             "speculate": self._fast_cost(fast_rows + num_flexible, fast_prompt_rows)
             + self._passes_cost(required_rows)
@@ -419,7 +415,7 @@ class Scheduler:
             else:
                 canonical += [d.canonical for d in flexible]  # type: ignore[misc]
             if strategy == "whole":
-                keep = self._whole_keeps_prompts(fast_rows, prompt_rows, required_rows + flexible_rows)
+                keep = self._whole(fast_rows, prompt_rows, required_rows + flexible_rows)[1]
                 moved = [c for c in fast if not keep or c.num_tokens == 1]
                 canonical, fast = moved + canonical, [c for c in fast if keep and c.num_tokens > 1]
             if flexible or strategy == "whole":

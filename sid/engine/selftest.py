@@ -29,15 +29,17 @@ logger = logging.getLogger(__name__)
 _PARAMS = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=1)
 
 
-def synthetic_request(request_id: str, tokens: list[int], prompt_len: int, domain: str) -> Request:
+def synthetic_request(
+    request_id: str, tokens: list[int], prompt_len: int, domain: str, params: SamplingParams = _PARAMS
+) -> Request:
     """A request holding ``tokens``, the first ``prompt_len`` as its prompt: rows past the
     prompt's last choose a token, so a large pass computes their logits."""
     request = Request(
         request_id=request_id,
         prompt=None,
         prompt_token_ids=tokens[:prompt_len],
-        params=_PARAMS,
-        seed=_PARAMS.seed or 0,
+        params=params,
+        seed=params.seed or 0,
         max_tokens=len(tokens),
         eos_token_ids=frozenset(),
         arrival=0,
