@@ -1,14 +1,16 @@
 """Start-up timing of forward passes, for the scheduler's cost model (``MeasuredPassCost``).
 
 What a pass costs depends on the model and the machine. A small model's eager pass is bound
-by launching its few hundred kernels from the host, which a CUDA graph avoids: on an H200 an
-eager canonical pass of 320 rows of a Qwen3-0.6B-shaped model took 21-24 ms where a graphed
-one of 256 took 7. A large model's pass is bound by reading its weights and, past a few
-hundred rows, by its GEMMs. So instead of a formula the engine times a few passes of each
-kind once its graphs are captured and the self-test has passed, as the scheduler will run
-them: decode rows (one per request) for graphed passes, fresh prompt chunks for eager ones.
-Each point is the best of a few runs (the host's noise only adds time); it takes about a
-second.
+by launching its few hundred kernels from the host, which a CUDA graph avoids: on an H200 a
+Qwen3-0.6B-shaped model's eager canonical pass of ~300 rows took 21-24 ms inside a step
+where its graphed decode steps of 256 rows took 7. A large model's pass is bound by reading
+its weights and, past a few hundred rows, by its GEMMs. So instead of a formula the engine
+times a few passes of each kind once its graphs are captured and the self-test has passed,
+as the scheduler will run them: decode rows (one per request) for graphed passes, fresh
+prompt chunks for eager ones. Each point is the best of a few runs (the host's noise only
+adds time); it takes about a second. Decode rows sit at position 0, so their attention is
+left out: at a given context it costs both lanes about the same, but it makes a long-context
+step's fixed costs (an extra pass, a padded canonical one) look larger than they are.
 """
 
 from __future__ import annotations
