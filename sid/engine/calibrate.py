@@ -91,8 +91,9 @@ class _PassTimer:
         """``rows`` one-token prompts (decode rows: one row per request), or prompts of
         ``chunk_len`` tokens (the last shorter) holding ``rows`` rows in all."""
         lengths = [1] * rows if decode else [min(self.chunk_len, rows - i) for i in range(0, rows, self.chunk_len)]
-        ids = self._ids
-        return [synthetic_request(f"calibrate-{next(ids)}", self.tokens[:n], n, self.domain, _GREEDY) for n in lengths]
+        return [
+            synthetic_request(f"calibrate-{next(self._ids)}", self.tokens[:n], n, self.domain, _GREEDY) for n in lengths
+        ]
 
     def time(self, rows: int, *, decode: bool, canonical: bool) -> float:
         """Best wall milliseconds of a pass of ``rows`` rows, from launch to its results."""

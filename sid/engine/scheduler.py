@@ -415,7 +415,8 @@ class Scheduler:
             else:
                 canonical += [d.canonical for d in flexible]  # type: ignore[misc]
             if strategy == "whole":
-                keep = self._whole(fast_rows, prompt_rows, required_rows + flexible_rows)[1]
+                # Only a step with other prompts has a choice to make (and to weigh again).
+                keep = prompt_rows > 0 and self._whole(fast_rows, prompt_rows, required_rows + flexible_rows)[1]
                 moved = [c for c in fast if not keep or c.num_tokens == 1]
                 canonical, fast = moved + canonical, [c for c in fast if keep and c.num_tokens > 1]
             if flexible or strategy == "whole":
