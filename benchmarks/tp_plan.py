@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -32,7 +33,7 @@ def step(seqs: int, rows_per_seq: int, context: int, canonical: bool = False) ->
         input_ids=list(range(n)),
         positions=[context - rows_per_seq + k for _ in range(seqs) for k in range(rows_per_seq)],
         slots=list(range(n)),
-        block_tables=[list(range(s * blocks, (s + 1) * blocks)) for s in range(seqs)],
+        block_tables=np.arange(seqs * blocks, dtype=np.int32).reshape(seqs, blocks),
         seq_lens=[context] * seqs,
         query_start_loc=[s * rows_per_seq for s in range(seqs + 1)],
         canonical=canonical,

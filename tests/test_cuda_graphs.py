@@ -52,7 +52,7 @@ def graphs_for(engine: LLMEngine) -> CUDAGraphs:
 
 def run(engine: LLMEngine, chunks: list[ScheduledChunk], graphs: CUDAGraphs | None, canonical: bool) -> list[ChunkResult]:
     engine.runner.graphs = graphs
-    tables = [engine.kv.block_ids(c.request) for c in chunks]
+    tables = engine.kv.block_table([c.request for c in chunks])
     return engine.runner.execute(chunks, tables, canonical=canonical, keep_logits=True)
 
 

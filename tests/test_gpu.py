@@ -39,7 +39,7 @@ def test_cuda_graph_decode_is_bit_identical_to_eager_at_the_same_padded_batch(tr
     running = engine.scheduler.running
     assert len(running) == len(PROMPTS) and all(r.num_computed_tokens == r.num_tokens - 1 for r in running)
     bs = engine.config.block_size
-    tables = [engine.kv.block_ids(r) for r in running]
+    tables = engine.kv.block_table(running)
     pos = [r.num_tokens - 1 for r in running]
     slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
     ids = [r.token_ids[-1] for r in running]
@@ -82,7 +82,7 @@ def test_canonical_graph_gives_the_eager_canonical_pass_bits(trained_model: Path
         engine.step()
     running = engine.scheduler.running
     chunks = [ScheduledChunk(r, r.num_computed_tokens - 1 - i, 1 + i) for i, r in enumerate(running)]
-    tables = [engine.kv.block_ids(r) for r in running]
+    tables = engine.kv.block_table(running)
     replayed = engine.runner.execute(chunks, tables, canonical=True, keep_logits=True)
     engine.runner.graphs = None
     eager = engine.runner.execute(chunks, tables, canonical=True, keep_logits=True)

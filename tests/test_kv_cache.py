@@ -89,3 +89,33 @@ def test_truncate_drops_tail_blocks_and_refuses_to_cut_cached_blocks() -> None:
     assert len(kv.blocks_of(r)) == 3 and kv.pool.num_free == 5
     with pytest.raises(RuntimeError, match="cached block"):
         kv.truncate(r, 10)
+
+
+def test_block_table_rows_follow_allocate_truncate_and_free_as_the_arrays_grow() -> None:
+    kv = KVCacheManager(num_blocks=400, block_size=4, enable_prefix_caching=False)
+    # More requests than the table's first rows, and one longer than its first columns.
+    requests = [make_request(f"r{i}", list(range(3 + i % 5))) for i in range(70)]
+    for r in requests:
+        assert kv.allocate(r, r.num_tokens)
+    long = make_request("long", list(range(90)))
+    assert kv.allocate(long, 90)
+    picked = [requests[5], long, requests[69]]
+    table = kv.block_table(picked)
+    assert table.shape == (3, 23) and table.dtype.name == "int32"
+    for row, r in zip(table.tolist(), picked):
+        assert row == kv.block_ids(r) + [0] * (23 - len(kv.block_ids(r)))
+    long.token_ids.extend([1] * 10)  # grows by 3 blocks: written after the first 23
+    assert kv.allocate(long, 100)
+    assert kv.block_table([long])[0].tolist() == kv.block_ids(long)
+    table[1, 0] = -5  # a step's table is a copy: later steps never see its changes
+    assert kv.block_table([long])[0, 0] == kv.block_ids(long)[0]
+    kv.truncate(long, 41)  # 11 blocks kept; beside a longer request, its row shows zeros after them
+    other = make_request("other", list(range(100)))
+    assert kv.allocate(other, 100)
+    assert kv.block_table([long, other])[0].tolist() == kv.block_ids(long) + [0] * 14
+    # A freed request's row is zeroed and reused by the next one.
+    kv.free(long)
+    newcomer = make_request("new", [7] * 5)
+    assert kv.allocate(newcomer, 5)
+    assert kv.block_table([newcomer])[0].tolist() == kv.block_ids(newcomer)
+    assert kv.block_table([newcomer, requests[1]]).shape == (2, 2)

@@ -195,12 +195,14 @@ class _Demand:
     @property
     def upto(self) -> int:
         """Positions that need cache slots, whichever lane the request ends up in."""
-        return max(c.end for c in (self.canonical, self.fast) if c is not None)
+        ends = [c.start + c.num_tokens for c in (self.canonical, self.fast) if c is not None]
+        return ends[0] if len(ends) == 1 else max(ends)
 
     @property
     def rows(self) -> int:
         """Token budget taken: the larger of the two alternatives."""
-        return max(c.num_tokens for c in (self.canonical, self.fast) if c is not None)
+        rows = [c.num_tokens for c in (self.canonical, self.fast) if c is not None]
+        return rows[0] if len(rows) == 1 else max(rows)
 
 
 class Scheduler:

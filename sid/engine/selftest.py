@@ -111,8 +111,8 @@ class SelfTest:
             used += f
             k = min(rows(i), stop - pos, size - f)
             chunks.append(ScheduledChunk(target, pos, k))
-            blocks = [kv.block_ids(c.request) for c in chunks]
-            res = self.runner.execute(chunks, blocks, canonical=True, keep_logits=True)[-1]
+            table = kv.block_table([c.request for c in chunks])
+            res = self.runner.execute(chunks, table, canonical=True, keep_logits=True)[-1]
             assert res.logits is not None
             for j, sampled in enumerate(res.samples):
                 out.tokens[sampled.position] = sampled.token_id

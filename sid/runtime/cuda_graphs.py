@@ -20,11 +20,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sid.model.decoder import CausalLM
 from sid.runtime.attention import AttentionMetadata, PagedKVCache
-from sid.runtime.transfer import padded_table, upload
+from sid.runtime.transfer import upload
+
 
 def canonical_key(rows: int) -> int:
     """Key of the canonical graph of ``rows`` rows (decode buckets are keyed by their batch size, >= 1)."""
@@ -131,8 +133,8 @@ class CUDAGraphs:
         self,
         input_ids: list[int],
         positions: list[int],
-        slots: list[int],
-        tables: list[list[int]],
+        slots: np.ndarray,
+        tables: np.ndarray,
         seq_lens: list[int],
         query_start_loc: list[int] | None = None,
         *,
@@ -154,14 +156,16 @@ class CUDAGraphs:
         # padding sequence slots have no rows at all.
         pad_qsl = range(n + 1, shape.rows + 1) if not canonical else [n] * seqs_pad
         # Entries past a sequence's own blocks are never read, so stale ones may stay.
-        width = max(len(t) for t in tables)
+        width = tables.shape[1]
+        padded = np.zeros((shape.seqs, width), dtype=np.int32)
+        padded[:s] = tables
         device = self.input_ids.device
         ids, pos, slot = upload(
-            device, [[*input_ids, *[0] * rows_pad], [*positions, *[0] * rows_pad], [*slots, *[-1] * rows_pad]], torch.int64
+            device,
+            [[*input_ids, *[0] * rows_pad], [*positions, *[0] * rows_pad], np.concatenate([slots, np.full(rows_pad, -1)])],
+            torch.int64,
         )
-        lens, starts, table = upload(
-            device, [[*seq_lens, *[1] * seqs_pad], [*qsl, *pad_qsl], padded_table(tables, width, shape.seqs)], torch.int32
-        )
+        lens, starts, table = upload(device, [[*seq_lens, *[1] * seqs_pad], [*qsl, *pad_qsl], padded], torch.int32)
         self.input_ids[: shape.rows].copy_(ids)
         self.positions[: shape.rows].copy_(pos)
         self.slots[: shape.rows].copy_(slot)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import timedelta
-from itertools import chain, repeat
+from itertools import chain
 
 import numpy as np
 import torch
@@ -101,8 +101,8 @@ class ControlChannel:
         self._send([kind, arg, 0, 0, 0, 0])
 
     def send_step(self, step: StepInputs) -> None:
-        width = max(map(len, step.block_tables))
-        tables = chain.from_iterable(chain(t, repeat(0, width - len(t))) for t in step.block_tables)
+        width = step.block_tables.shape[1]
+        tables = step.block_tables.ravel().tolist()
         n_logits = -1 if step.logit_rows is None else len(step.logit_rows)
         header = [STEP, len(step.input_ids), len(step.seq_lens), width, n_logits, int(step.canonical)]
         layout = (step.slots, tables, step.seq_lens, step.query_start_loc, step.logit_rows or ())
@@ -128,7 +128,7 @@ class ControlChannel:
             input_ids=ids,
             positions=positions,
             slots=slots,
-            block_tables=[tables[i * width : (i + 1) * width] for i in range(seqs)],
+            block_tables=np.array(tables, dtype=np.int32).reshape(seqs, width),
             seq_lens=seq_lens,
             query_start_loc=qsl,
             canonical=bool(canonical),

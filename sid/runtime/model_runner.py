@@ -22,8 +22,10 @@ from collections import Counter
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from sid.engine.kv_cache import cdiv
@@ -35,7 +37,7 @@ from sid.runtime.attention import AttentionMetadata, PagedKVCache
 from sid.runtime.cuda_graphs import CUDAGraphs
 from sid.runtime.faults import FAULTS
 from sid.runtime.sampler import SamplerOutput, SamplingBatch, compute_logprobs, sample
-from sid.runtime.transfer import padded_table, upload
+from sid.runtime.transfer import upload
 from sid.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -59,8 +61,9 @@ class StepInputs:
 
     input_ids: list[int]
     positions: list[int]
-    slots: list[int]
-    block_tables: list[list[int]]
+    slots: np.ndarray | list[int]
+    block_tables: np.ndarray
+    """int32 [sequences, width]; entries past a sequence's blocks are never read."""
     seq_lens: list[int]
     query_start_loc: list[int]
     canonical: bool
@@ -204,24 +207,25 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
     def _layout(
-        self, chunks: Sequence[ScheduledChunk], block_ids: Sequence[list[int]], pad: int
-    ) -> tuple[list[int], list[list[int]], list[int], list[int]]:
-        """Slots, block tables, context lengths and query starts; ``pad`` trailing rows form
-        one sequence that writes nothing."""
-        bs = self.block_size
-        slots: list[int] = []
-        for chunk, blocks in zip(chunks, block_ids):
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(chunk.start, chunk.end))
-        slots.extend([-1] * pad)
-        tables = [*block_ids, *([[0] * cdiv(pad, bs)] if pad else [])]
-        qsl = [0]
-        for chunk in chunks:
-            qsl.append(qsl[-1] + chunk.num_tokens)
+        self, chunks: Sequence[ScheduledChunk], table: np.ndarray, rows: PassRows
+    ) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
+        """Slots, block tables, context lengths and query starts; the ``rows.pad`` trailing
+        rows form one sequence that writes nothing."""
+        bs, pad = self.block_size, rows.pad
+        counts = [c.num_tokens for c in chunks]
+        positions = np.array(rows.positions[: len(rows.positions) - pad], dtype=np.int64)
+        seq = np.repeat(np.arange(len(chunks)), counts)
+        slots = table[seq, positions // bs].astype(np.int64) * bs + positions % bs
+        qsl = [0, *accumulate(counts)]
         seq_lens = [c.end for c in chunks]
         if pad:
+            slots = np.concatenate([slots, np.full(pad, -1, dtype=np.int64)])
+            padded = np.zeros((len(chunks) + 1, max(table.shape[1], cdiv(pad, bs))), dtype=np.int32)
+            padded[: len(chunks), : table.shape[1]] = table
+            table = padded
             qsl.append(qsl[-1] + pad)
             seq_lens.append(pad)
-        return slots, tables, seq_lens, qsl
+        return slots, table, seq_lens, qsl
 
     def _sampling_batch(self, rows: Sequence[tuple[Request | None, int]]) -> SamplingBatch:
         """Settings for rows choosing the token after ``position`` of their request."""
@@ -272,13 +276,13 @@ class ModelRunner:
     def execute(
         self,
         chunks: Sequence[ScheduledChunk],
-        block_ids: Sequence[list[int]],
+        block_table: np.ndarray,
         *,
         canonical: bool = False,
         keep_logits: bool = False,
     ) -> list[ChunkResult]:
         """Run one forward pass over ``chunks`` and wait for what each chunk produced."""
-        return self.collect(self.launch(chunks, block_ids, canonical=canonical, keep_logits=keep_logits))
+        return self.collect(self.launch(chunks, block_table, canonical=canonical, keep_logits=keep_logits))
 
     def _rows(self, chunks: Sequence[ScheduledChunk], canonical: bool) -> PassRows:
         """What each row of the pass is: its token and position, and which rows give logits.
@@ -333,7 +337,7 @@ class ModelRunner:
     def launch(
         self,
         chunks: Sequence[ScheduledChunk],
-        block_ids: Sequence[list[int]],
+        block_table: np.ndarray,
         *,
         canonical: bool = False,
         keep_logits: bool = False,
@@ -341,6 +345,7 @@ class ModelRunner:
     ) -> LaunchedPass:
         """Queue one forward pass over ``chunks`` and its sampling; nothing waits for the GPU.
 
+        ``block_table`` holds each chunk's request's block ids (``KVCacheManager.block_table``).
         Input tokens the host holds as placeholders are taken from ``feed`` on the device.
         """
         rows = self._rows(chunks, canonical)
@@ -348,7 +353,7 @@ class ModelRunner:
             rows.input_ids, rows.positions, rows.prompt_rows, rows.sample_rows, rows.logit_rows
         )
         fed = TokenFeed.check(input_ids, feed)
-        layout = self._layout(chunks, block_ids, rows.pad)
+        layout = self._layout(chunks, block_table, rows)
         launched = LaunchedPass(list(chunks), canonical, sample_rows, rows.token_rows, positions, [i for _, _, i in prompt_rows])
         sampled_rows = [(chunks[i].request, positions[row]) for row, i in sample_rows] + [(None, 0)] * rows.logit_pad
         # Uploaded before the pass is launched: copies issued after it would wait for the GPU.
@@ -438,7 +443,7 @@ class ModelRunner:
         ``step.logit_rows`` (None when there are none). Rank 0 sends the step to the workers
         first; placeholders among the inputs (rank 0 alone, no workers) are resolved from ``fed``."""
         with self.workers.running(step) if self.workers is not None else nullcontext():
-            width = max(len(t) for t in step.block_tables)
+            width = step.block_tables.shape[1]
             qsl = step.query_start_loc
             ids, positions, slots, logit_rows = upload(
                 self.device, [step.input_ids, step.positions, step.slots, step.logit_rows or []], torch.int64
@@ -446,7 +451,7 @@ class ModelRunner:
             if fed is not None:
                 fed.resolve(ids)
             seq_lens, query_start_loc, tables = upload(
-                self.device, [step.seq_lens, qsl, padded_table(step.block_tables, width)], torch.int32
+                self.device, [step.seq_lens, qsl, step.block_tables], torch.int32
             )
             self.kv_cache.meta = AttentionMetadata(
                 slot_mapping=slots,
