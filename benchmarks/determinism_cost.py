@@ -37,6 +37,7 @@ from sid import LLM, RequestOutput, SamplingParams  # noqa: E402
 from sid.engine.engine import LLMEngine  # noqa: E402
 from sid.engine.scheduler import StepPlan  # noqa: E402
 from sid.kernels.paged_attention import CANONICAL_CONFIG  # noqa: E402
+from sid.runtime.model_runner import LaunchedPass  # noqa: E402
 
 FRACTIONS = (0.0, 0.02, 0.10, 0.50, 1.0)
 STEP_BINS = ((16, "decode <=16"), (64, "decode <=64"), (128, "decode <=128"), (1 << 30, "decode >128"))
@@ -49,11 +50,19 @@ def step_log(engine: LLMEngine, spent: dict[str, list[float]], trace: list[dict[
     goes): steps that schedule more rows than requests (prompt chunks, or verification
     windows of several rows), and the other steps by how many requests are unfinished.
     ``trace`` gets one entry per step: its kind, wall ms, fast rows, canonical passes' rows,
-    the strategy the scheduler chose and the ms the step spent in Python's garbage collector,
-    to compare steps of the same make-up across runs."""
-    original, schedule = engine.step, engine.scheduler.schedule
+    the strategy the scheduler chose, the ms the step spent in Python's garbage collector,
+    the ms it waited for the GPU, and the ms of CPU time its thread got: a step much longer
+    than its wait and CPU time together is a host thread that wanted to run and did not.
+    Steps of the same make-up compare across runs."""
+    original, schedule, wait = engine.step, engine.scheduler.schedule, LaunchedPass.wait
     plans: list[StepPlan] = []
     collecting = [0.0, 0.0]  # start of the collection under way, seconds collected this step
+    waited = [0.0]
+
+    def timed_wait(launched: LaunchedPass) -> None:
+        start = time.perf_counter()
+        wait(launched)
+        waited[0] += time.perf_counter() - start
 
     def collector(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -69,12 +78,12 @@ def step_log(engine: LLMEngine, spent: dict[str, list[float]], trace: list[dict[
         running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
         tokens = engine.scheduler.stats.scheduled_tokens
         plans.clear()
-        collecting[1] = 0.0
-        start = time.perf_counter()
+        collecting[1] = waited[0] = 0.0
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return original()
         finally:
-            wall = time.perf_counter() - start
+            wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
             prompt = engine.scheduler.stats.scheduled_tokens - tokens > running
             kind = "with prompt rows" if prompt else next(name for top, name in STEP_BINS if running <= top)
             spent[kind][0] += wall
@@ -87,15 +96,19 @@ def step_log(engine: LLMEngine, spent: dict[str, list[float]], trace: list[dict[
                 "canonical": [sum(c.num_tokens for c in p) for p in plan.canonical],
                 "strategy": plan.strategy,
                 "gc_ms": round(collecting[1] * 1e3, 3),
+                "wait_ms": round(waited[0] * 1e3, 3),
+                "cpu_ms": round(cpu * 1e3, 3),
             })
 
     engine.step = timed  # type: ignore[method-assign]
     engine.scheduler.schedule = planned  # type: ignore[method-assign]
+    LaunchedPass.wait = timed_wait  # type: ignore[method-assign]
     gc.callbacks.append(collector)
     try:
         yield
     finally:
         gc.callbacks.remove(collector)
+        LaunchedPass.wait = wait  # type: ignore[method-assign]
         del engine.step, engine.scheduler.schedule
 
 

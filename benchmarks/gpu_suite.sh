@@ -5,6 +5,8 @@
 #        canonical_sweep cost_swept (the cost with the sweep's best canonical attention constants)
 #        pass_invariance cost_qwen_m128 (canonical passes of 128 rows only)
 #        repro_trained repro_llama serve profile_qwen profile_qwen_lockstep profile_qwen_det profile_llama prefill prefill_qwen
+#        pass_costs_qwen pass_costs_llama (passes timed queued or one at a time, at a context or at position 0)
+#        host_profile (py-spy samples of the engine's host thread, Qwen at 0 and 100 %; needs the py-spy wheel in .carry/wheels)
 # Environment: REPEATS (cost_*, default 1), FRACTIONS (cost_*, default all), STEP_LOG=1 (cost_*: time steps by kind),
 #   STRATEGY (cost_*: auto, speculate, direct or whole; default auto),
 #   LLAMA_REQUESTS, PREFILL_SEQS (default 8).
@@ -53,6 +55,11 @@ step() {
     repro_llama) run_step repro_llama 300 python3 -m sid repro --model /tmp/sid-preset-llama-3.1-8b --load-format dummy --device cuda --max-model-len 2048 --max-tokens 32 --long-prompt 512 --out "$RES/repro_llama" ;;
     prefill) run_step prefill 120 python3 benchmarks/prefill.py --model llama-3.1-8b --seqs "${PREFILL_SEQS:-8}" --out "$RES" ;;
     prefill_qwen) run_step prefill_qwen 120 python3 benchmarks/prefill.py --model qwen3-0.6b --seqs "${PREFILL_SEQS:-8}" --out "$RES" ;;
+    pass_costs_qwen) run_step pass_costs_qwen 150 python3 benchmarks/pass_costs.py --model qwen3-0.6b --out "$RES/pass_costs_qwen" ;;
+    pass_costs_llama) run_step pass_costs_llama 200 python3 benchmarks/pass_costs.py --model llama-3.1-8b --out "$RES/pass_costs_llama" ;;
+    host_profile) python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .carry/wheels/py_spy-*.whl &&
+      run_step host_profile 200 /tmp/pyspy/bin/py-spy record --nonblocking -r 100 --format raw -o "$RES/host_profile.txt" -- \
+        python3 benchmarks/determinism_cost.py --model qwen3-0.6b --repeats 1 --fractions 0,1.0 --out "$RES/host_profile" ;;
     profile_qwen) run_step profile_qwen 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --out "$RES" ;;
     profile_qwen_lockstep) run_step profile_qwen_lockstep 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --no-async-scheduling --out "$RES/lockstep" ;;
     profile_qwen_det) run_step profile_qwen_det 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --deterministic 1.0 --out "$RES/det" ;;

@@ -72,7 +72,8 @@ def test_start_up_timing_covers_every_kind_of_pass_and_gives_the_blocks_back(tra
     engine = LLM(str(trained_model), num_kv_blocks=128).llm_engine
     free = engine.kv.pool.num_free
     cost = measure_pass_costs(
-        engine.runner, engine.kv, engine.canonical_domain, fast_graph_rows=0, graph_rows=64, max_rows=200, chunk_len=48, repeats=1
+        engine.runner, engine.kv, engine.canonical_domain, fast_graph_rows=0, graph_rows=64, max_rows=200, chunk_len=48, context=40,
+        repeats=1, launches=2,
     )
     assert cost is not None and engine.kv.pool.num_free == free
     assert cost.fast_graphed == () and [r for r, _ in cost.fast_eager] == [16, 200]
@@ -81,7 +82,7 @@ def test_start_up_timing_covers_every_kind_of_pass_and_gives_the_blocks_back(tra
     # A pool too small for the largest pass: nothing is timed and the blocks stay free.
     small = LLM(str(trained_model), num_kv_blocks=16).llm_engine
     assert measure_pass_costs(small.runner, small.kv, small.canonical_domain, fast_graph_rows=0, graph_rows=0,
-                              max_rows=256, chunk_len=48) is None
+                              max_rows=256, chunk_len=48, context=8) is None
     assert small.kv.pool.num_free == 16
 
 

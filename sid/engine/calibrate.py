@@ -7,10 +7,17 @@ where its graphed decode steps of 256 rows took 7. A large model's pass is bound
 its weights and, past a few hundred rows, by its GEMMs. So instead of a formula the engine
 times a few passes of each kind once its graphs are captured and the self-test has passed,
 as the scheduler will run them: decode rows (one per request) for graphed passes, fresh
-prompt chunks for eager ones. Each point is the best of a few runs (the host's noise only
-adds time); it takes about a second. Decode rows sit at position 0, so their attention is
-left out: at a given context it costs both lanes about the same, but it makes a long-context
-step's fixed costs (an extra pass, a padded canonical one) look larger than they are.
+prompt chunks for eager ones.
+
+Two things make a timing match a step of a running engine. Decode rows read a mid-length
+context (the engine asks for 1,024 keys), since attention is a share of a long-context step
+that both lanes pay, and at position 0 an extra or padded pass's fixed costs looked larger
+than they are. And passes are queued back to back, as the engine's overlapped scheduling
+queues its steps: the host prepares the next pass while the GPU runs one, so a pass costs
+the larger of its host and GPU time rather than their sum (a lone pass, waited for, is
+timed too: queueing can only help, and on the H200 a first queued run of a launch-bound
+pass sometimes took twice as long). Each point is the best of a few runs (the host's noise
+only adds time); it takes a few seconds.
 """
 
 from __future__ import annotations
@@ -19,10 +26,10 @@ import logging
 import time
 from itertools import count
 
+import numpy as np
 import torch
 
 from sid.engine.kv_cache import KVCacheManager, cdiv
-from sid.engine.request import Request
 from sid.engine.scheduler import MeasuredPassCost, PassSizes, ScheduledChunk
 from sid.engine.selftest import synthetic_request
 from sid.runtime.model_runner import ModelRunner
@@ -46,29 +53,37 @@ def measure_pass_costs(
     graph_rows: int,
     max_rows: int,
     chunk_len: int,
+    context: int,
     repeats: int = 3,
+    launches: int = 4,
 ) -> MeasuredPassCost | None:
     """Time the passes the scheduler weighs against each other: fast decode steps up to
     ``fast_graph_rows`` (graphed), fast prompt passes up to ``max_rows`` (eager), canonical
     passes up to ``graph_rows`` (graphed) and above (eager), prompts in chunks of at most
-    ``chunk_len`` tokens. None when the KV pool cannot hold the largest of them."""
+    ``chunk_len`` tokens. Decode rows read ``context`` keys each (fewer when the KV pool
+    cannot hold that many); each timing is the best of a lone pass, waited for, and of
+    ``launches`` passes queued back to back. None when the pool cannot hold one table's
+    passes at once."""
     sizes: PassSizes = runner.canonical
     graphed = [s for s in sizes.sizes if s <= graph_rows]
     eager = [s for s in sizes.sizes if s > graph_rows]
     prompt = sorted({min(r, max_rows) for r in (*_PROMPT_ROWS, max_rows)})
     decode = sorted({r for r in (1, 16, 64, fast_graph_rows // 2, fast_graph_rows) if 1 <= r <= fast_graph_rows})
-    largest = max(max_rows, sizes.max)
-    needed = max(max(decode, default=0), max(graphed, default=0), cdiv(largest, kv.block_size) + cdiv(largest, chunk_len))
+    prompt_tables = (prompt, _spread(eager))
+    decode_rows = max(sum(decode), sum(_spread(graphed)))  # a block each at least
+    needed = max(decode_rows, *(sum(cdiv(r, kv.block_size) + cdiv(r, chunk_len) for r in t) for t in prompt_tables))
     if needed > kv.pool.num_free:
         return None
-    timer = _PassTimer(runner, kv, domain, chunk_len, repeats)
+    while context and decode_rows * cdiv(context + 1, kv.block_size) > kv.pool.num_free:
+        context //= 2
+    timer = _PassTimer(runner, kv, domain, chunk_len, context, repeats, launches)
     cost = MeasuredPassCost(
-        fast_graphed=tuple((r, timer.time(r, decode=True, canonical=False)) for r in decode),
-        fast_eager=tuple((r, timer.time(r, decode=False, canonical=False)) for r in prompt),
-        canonical_graphed=tuple((s, timer.time(s, decode=True, canonical=True)) for s in _spread(graphed)),
-        canonical_eager=tuple((s, timer.time(s, decode=False, canonical=True)) for s in _spread(eager)),
+        fast_graphed=timer.table(decode, decode=True, canonical=False),
+        fast_eager=timer.table(prompt, decode=False, canonical=False),
+        canonical_graphed=timer.table(_spread(graphed), decode=True, canonical=True),
+        canonical_eager=timer.table(prompt_tables[1], decode=False, canonical=True),
     )
-    logger.info("pass costs (rows, ms): %s", cost)
+    logger.info("pass costs (rows, ms; decode rows at %d keys): %s", context, cost)
     return cost
 
 
@@ -80,40 +95,59 @@ def _spread(sizes: list[int]) -> list[int]:
 
 
 class _PassTimer:
-    def __init__(self, runner: ModelRunner, kv: KVCacheManager, domain: str, chunk_len: int, repeats: int) -> None:
+    def __init__(
+        self, runner: ModelRunner, kv: KVCacheManager, domain: str, chunk_len: int, context: int, repeats: int, launches: int
+    ) -> None:
         self.runner, self.kv, self.domain = runner, kv, domain
-        self.chunk_len, self.repeats = chunk_len, repeats
+        self.chunk_len, self.context, self.repeats, self.launches = chunk_len, context, repeats, launches
         self._ids = count()
         gen = torch.Generator().manual_seed(0)
-        self.tokens = torch.randint(0, runner.vocab_size, (chunk_len,), generator=gen).tolist()
+        self.tokens = torch.randint(0, runner.vocab_size, (max(chunk_len, context + 1),), generator=gen).tolist()
 
-    def _requests(self, rows: int, decode: bool) -> list[Request]:
-        """``rows`` one-token prompts (decode rows: one row per request), or prompts of
-        ``chunk_len`` tokens (the last shorter) holding ``rows`` rows in all."""
-        lengths = [1] * rows if decode else [min(self.chunk_len, rows - i) for i in range(0, rows, self.chunk_len)]
-        return [
-            synthetic_request(f"calibrate-{next(self._ids)}", self.tokens[:n], n, self.domain, _GREEDY) for n in lengths
-        ]
-
-    def time(self, rows: int, *, decode: bool, canonical: bool) -> float:
-        """Best wall milliseconds of a pass of ``rows`` rows, from launch to its results."""
-        requests = self._requests(rows, decode)
-        for request in requests:
-            if not self.kv.allocate(request, request.num_tokens):
+    def _chunks(self, rows: int, decode: bool) -> list[ScheduledChunk]:
+        """``rows`` decode rows (one per request, each after ``context`` prompt tokens), or
+        prompts of ``chunk_len`` tokens (the last shorter) holding ``rows`` rows in all."""
+        if decode:
+            lengths = [self.context + 1] * rows
+        else:
+            lengths = [min(self.chunk_len, rows - i) for i in range(0, rows, self.chunk_len)]
+        chunks = []
+        for n in lengths:
+            request = synthetic_request(f"calibrate-{next(self._ids)}", self.tokens[:n], n, self.domain, _GREEDY)
+            if not self.kv.allocate(request, n):
                 raise RuntimeError("the KV pool ran out while timing passes")
-        chunks = [ScheduledChunk(r, 0, r.num_tokens) for r in requests]
-        blocks = [self.kv.block_ids(r) for r in requests]
-        cuda = self.runner.device.type == "cuda"
-        best = float("inf")
-        for i in range(self.repeats + 1):  # the first run warms the allocator and kernels
-            if cuda:
-                torch.cuda.synchronize(self.runner.device)
-            start = time.perf_counter()
-            self.runner.execute(chunks, blocks, canonical=canonical)
-            if cuda:
-                torch.cuda.synchronize(self.runner.device)
-            if i:
-                best = min(best, time.perf_counter() - start)
-        for request in requests:
-            self.kv.free(request)
-        return best * 1e3
+            chunks.append(ScheduledChunk(request, n - 1, 1) if decode else ScheduledChunk(request, 0, n))
+        return chunks
+
+    def table(self, sizes: list[int], *, decode: bool, canonical: bool) -> tuple[tuple[int, float], ...]:
+        """Best milliseconds per pass of each size, from launch to its results: of one pass
+        waited for, and of ``launches`` passes queued back to back as the engine queues its
+        steps (the host prepares the next pass while the GPU runs one, so a queued pass
+        costs at most what a lone one does). The sizes take turns, so a slow stretch of the
+        host's does not fall on every run of one size."""
+        sets = [self._chunks(rows, decode) for rows in sizes]
+        tables = [self.kv.block_table([c.request for c in chunks]) for chunks in sets]
+        for chunks, table in zip(sets, tables):
+            self.runner.execute(chunks, table, canonical=canonical)  # warms the allocator and kernels
+        best = [float("inf")] * len(sizes)
+        for _ in range(self.repeats):
+            for i, (chunks, table) in enumerate(zip(sets, tables)):
+                for launches in {1, self.launches}:
+                    best[i] = min(best[i], self._timed(chunks, table, canonical, launches))
+        for chunks in sets:
+            for chunk in chunks:
+                self.kv.free(chunk.request)
+        return tuple(zip(sizes, best))
+
+    def _timed(self, chunks: list[ScheduledChunk], table: np.ndarray, canonical: bool, launches: int) -> float:
+        """Milliseconds per pass of ``launches`` passes queued back to back."""
+        runner = self.runner
+        cuda = runner.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(runner.device)
+        start = time.perf_counter()
+        for launched in [runner.launch(chunks, table, canonical=canonical) for _ in range(launches)]:
+            runner.collect(launched)
+        if cuda:
+            torch.cuda.synchronize(runner.device)
+        return (time.perf_counter() - start) / launches * 1e3

@@ -200,6 +200,8 @@ class LLMEngine:
                     graph_rows=self.scheduler.graph_rows,
                     max_rows=config.max_num_batched_tokens,
                     chunk_len=min(1024, self.max_model_len - 1),
+                    context=min(1024, self.max_model_len // 2),
+                    launches=4 if self.async_scheduling else 1,  # lockstep: a pass's host and GPU time add up
                 )
                 self.scheduler.cost_model = measured or GPU_COST
             self.kv.stats = PrefixCacheStats()
@@ -494,8 +496,8 @@ class LLMEngine:
             chunks = [c for c in planned if self._still_valid(c, canonical)]
             if not chunks:
                 continue
-            block_ids = [self.kv.block_ids(c.request) for c in chunks]
-            handle = self.runner.launch(chunks, block_ids, canonical=canonical, feed=feed)
+            table = self.kv.block_table([c.request for c in chunks])
+            handle = self.runner.launch(chunks, table, canonical=canonical, feed=feed)
             offset = launched.num_tokens
             planned_under = []
             for chunk, row in zip(chunks, handle.token_rows):
