@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -281,18 +282,18 @@ class LLMEngine:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, logprobs=5)
-        chunks, tables = [], []
+        chunks = []
         for s in range(num_seqs):
             n = min(seq_len, tokens - s * seq_len)
             r = Request(f"profile-{s}", None, [0] * n, params, 0, 1, frozenset(), 0)
             chunks.append(ScheduledChunk(r, 0, n))
-            first = s * cdiv(seq_len, bs)
-            tables.append(list(range(first, first + cdiv(n, bs))))
+        width = cdiv(seq_len, bs)
+        tables = np.arange(num_seqs * width, dtype=np.int32).reshape(num_seqs, width)  # the whole throwaway cache
         runner.execute(chunks, tables)
         if self.config.enable_determinism:
             # The largest canonical pass with every row choosing a token: its LM head and
             # sampler take more memory than the fast step's few sampled rows.
-            rows = min(self.canonical.max, len(tables[0]) * bs)
+            rows = min(self.canonical.max, width * bs)
             r = Request("profile-canonical", None, [0], params, 0, rows, frozenset(), 0)
             r.token_ids.extend([0] * (rows - 1))
             r.num_emitted = rows - 1
