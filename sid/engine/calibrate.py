@@ -65,13 +65,12 @@ def measure_pass_costs(
     ``launches`` passes queued back to back. None when the pool cannot hold one table's
     passes at once."""
     sizes: PassSizes = runner.canonical
-    graphed = [s for s in sizes.sizes if s <= graph_rows]
-    eager = [s for s in sizes.sizes if s > graph_rows]
+    graphed = _spread([s for s in sizes.sizes if s <= graph_rows])
+    eager = _spread([s for s in sizes.sizes if s > graph_rows])
     prompt = sorted({min(r, max_rows) for r in (*_PROMPT_ROWS, max_rows)})
     decode = sorted({r for r in (1, 16, 64, fast_graph_rows // 2, fast_graph_rows) if 1 <= r <= fast_graph_rows})
-    prompt_tables = (prompt, _spread(eager))
-    decode_rows = max(sum(decode), sum(_spread(graphed)))  # a block each at least
-    needed = max(decode_rows, *(sum(cdiv(r, kv.block_size) + cdiv(r, chunk_len) for r in t) for t in prompt_tables))
+    decode_rows = max(sum(decode), sum(graphed))  # a block each at least
+    needed = max(decode_rows, *(sum(cdiv(r, kv.block_size) + cdiv(r, chunk_len) for r in t) for t in (prompt, eager)))
     if needed > kv.pool.num_free:
         return None
     while context and decode_rows * cdiv(context + 1, kv.block_size) > kv.pool.num_free:
@@ -80,8 +79,8 @@ def measure_pass_costs(
     cost = MeasuredPassCost(
         fast_graphed=timer.table(decode, decode=True, canonical=False),
         fast_eager=timer.table(prompt, decode=False, canonical=False),
-        canonical_graphed=timer.table(_spread(graphed), decode=True, canonical=True),
-        canonical_eager=timer.table(prompt_tables[1], decode=False, canonical=True),
+        canonical_graphed=timer.table(graphed, decode=True, canonical=True),
+        canonical_eager=timer.table(eager, decode=False, canonical=True),
     )
     logger.info("pass costs (rows, ms; decode rows at %d keys): %s", context, cost)
     return cost

@@ -195,14 +195,18 @@ class _Demand:
     @property
     def upto(self) -> int:
         """Positions that need cache slots, whichever lane the request ends up in."""
-        ends = [c.start + c.num_tokens for c in (self.canonical, self.fast) if c is not None]
-        return ends[0] if len(ends) == 1 else max(ends)
+        canonical, fast = self.canonical, self.fast
+        if canonical is None or fast is None:
+            return (canonical or fast).end  # type: ignore[union-attr]
+        return max(canonical.end, fast.end)
 
     @property
     def rows(self) -> int:
         """Token budget taken: the larger of the two alternatives."""
-        rows = [c.num_tokens for c in (self.canonical, self.fast) if c is not None]
-        return rows[0] if len(rows) == 1 else max(rows)
+        canonical, fast = self.canonical, self.fast
+        if canonical is None or fast is None:
+            return (canonical or fast).num_tokens  # type: ignore[union-attr]
+        return max(canonical.num_tokens, fast.num_tokens)
 
 
 class Scheduler:
