@@ -7,6 +7,8 @@
 #        repro_trained repro_llama serve profile_qwen profile_qwen_lockstep profile_qwen_det profile_llama prefill prefill_qwen
 #        pass_costs_qwen pass_costs_llama (passes timed queued or one at a time, at a context or at position 0)
 #        host_profile (py-spy samples of the engine's host thread, Qwen at 0 and 100 %; needs the py-spy wheel in .carry/wheels)
+#        gemm_paths (which GEMM path keeps a row's bits at every row count, per shape, and its cost)
+#        latency_qwen latency_llama (decode step time, all deterministic vs all normal, batch 1..256 and 32k at batch 1)
 # Environment: REPEATS (cost_*, default 1), FRACTIONS (cost_*, default all), STEP_LOG=1 (cost_*: time steps by kind),
 #   STRATEGY (cost_*: auto, speculate, direct or whole; default auto),
 #   LLAMA_REQUESTS, PREFILL_SEQS (default 8).
@@ -36,7 +38,7 @@ run_step() {
 
 step() {
   case $1 in
-    tests) run_step tests 240 python3 -m pytest -q tests/test_gpu.py tests/test_kernels.py tests/test_layer_kernels.py ;;
+    tests) run_step tests 300 python3 -m pytest -q -x tests/test_gpu.py tests/test_kernels.py tests/test_layer_kernels.py ;;
     throughput_qwen) run_step throughput_qwen 200 python3 benchmarks/throughput.py --model qwen3-0.6b --peer --lockstep --out "$RES" ;;
     throughput_llama) run_step throughput_llama 200 python3 benchmarks/throughput.py --model llama-3.1-8b --lockstep --out "$RES" ;;
     decode_roofline) run_step decode_roofline 200 python3 benchmarks/decode_roofline.py --model llama-3.1-8b --out "$RES" ;;
@@ -60,6 +62,9 @@ step() {
     host_profile) python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .carry/wheels/py_spy-*.whl &&
       run_step host_profile 200 /tmp/pyspy/bin/py-spy record --nonblocking -r 100 --format raw -o "$RES/host_profile.txt" -- \
         python3 benchmarks/determinism_cost.py --model qwen3-0.6b --repeats 1 --fractions 0,1.0 --out "$RES/host_profile" ;;
+    gemm_paths) run_step gemm_paths 300 python3 benchmarks/gemm_paths.py --out "$RES" ;;
+    latency_qwen) run_step latency_qwen 400 python3 benchmarks/latency.py --model qwen3-0.6b --rounds "${REPEATS:-1}" --out "$RES/latency_qwen" ;;
+    latency_llama) run_step latency_llama 500 python3 benchmarks/latency.py --model llama-3.1-8b --rounds "${REPEATS:-1}" --out "$RES/latency_llama" ;;
     profile_qwen) run_step profile_qwen 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --out "$RES" ;;
     profile_qwen_lockstep) run_step profile_qwen_lockstep 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --no-async-scheduling --out "$RES/lockstep" ;;
     profile_qwen_det) run_step profile_qwen_det 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --deterministic 1.0 --out "$RES/det" ;;

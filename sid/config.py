@@ -43,14 +43,21 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = 1 << 30
     enable_determinism: bool = True
     canonical_rows: int | None = None
+    """``M_canon``, the smallest pass that carries deterministic rows; None = 1 where the GEMMs
+    are proven row-invariant at every row count, else 128 on a GPU and 32 on a CPU."""
     max_canonical_rows: int | None = None
-    """Largest canonical pass; None = ``max_num_batched_tokens`` on a GPU (a step's prompt rows
-    fit one pass, as in the fast lane), 8x ``M_canon`` on a CPU (256 rows)."""
+    """Largest canonical pass; None = ``max_num_batched_tokens`` on a GPU or with proven GEMMs
+    (a step's prompt rows fit one pass, as in the fast lane), 8x ``M_canon`` on a CPU (256 rows)."""
     canonical_sizes_per_octave: int | None = None
-    """Canonical pass sizes per doubling above ``M_canon``; None = 8 on a GPU (128, 144, ...,
-    240, 256, 288, ...: a pass of 130 rows runs as 144), 1 on a CPU (32, 64, 128, 256)."""
+    """Pass sizes per doubling above ``M_canon``; None = with proven GEMMs 16 on a GPU (1, 2,
+    ..., 16, 17, ..., 32, 34, ...: a pass carrying deterministic rows is padded by at most
+    1/16) and 8 on a CPU (the proof runs every size); else 8 on a GPU (128, 144, ..., 256,
+    288, ...) and 1 on a CPU (32, 64, 128, 256)."""
     verify_window: int = 8
     determinism_strategy: str = "auto"
+    """``auto``: deterministic rows ride in ordinary passes where the GEMMs are proven
+    row-invariant, else the cheapest windowed strategy each step; ``ride``; or a windowed
+    strategy, ``speculate``, ``direct`` or ``whole``, even where rows could ride."""
     router_policy: Any = None
     """A ``RouterPolicy``, its dict form, or a path to its JSON file; None = nothing by default."""
 
@@ -82,12 +89,23 @@ class EngineConfig:
             raise ValueError("device='cuda' was asked for, but no CUDA device is available")
         return device
 
-    def canonical_sizes_for(self, device: torch.device) -> PassSizes:
-        """``M_canon``: 128 rows on a GPU (a pass costs about one decode step; cuBLASLt gives
-        rows the bits of a 128-row pass at every size from 128 on, not below), 32 on a CPU.
-        Larger passes carry prompts and whole steps in few launches; on a GPU they are finely
-        spaced, so a whole canonical step is padded about as much as a fast-lane graph."""
+    def canonical_sizes_for(self, device: torch.device, proven: bool) -> PassSizes:
+        """The pass sizes that may carry deterministic rows.
+
+        With GEMMs ``proven`` row-invariant at every row count (``sid.runtime.gemm``), every
+        pass that carries a deterministic row is padded to one of these, so they reach from
+        ``M_canon`` = 1 past the step's token budget, 16 to each doubling. Otherwise they are
+        the canonical passes' sizes: ``M_canon`` = 128 rows on a GPU (a pass costs about one
+        decode step; cuBLASLt gives rows the bits of a 128-row pass at every size from 128 on,
+        not below) or 32 on a CPU, and larger passes carry prompts and whole steps in few
+        launches; on a GPU they are finely spaced, so a whole canonical step is padded about as
+        much as a fast-lane graph."""
         cuda = device.type == "cuda"
+        if proven:
+            base = self.canonical_rows or 1
+            graph_batch = min(self.max_num_seqs, 256)  # the largest decode graph
+            largest = max(base, self.max_num_batched_tokens, graph_batch, self.max_canonical_rows or 0)
+            return PassSizes.grid(base, largest, self.canonical_sizes_per_octave or (16 if cuda else 8), cover=True)
         base = self.canonical_rows or (128 if cuda else 32)
         largest = self.max_canonical_rows or (max(base, self.max_num_batched_tokens) if cuda else 8 * base)
         return PassSizes.grid(base, largest, self.canonical_sizes_per_octave or (8 if cuda else 1))

@@ -65,3 +65,14 @@ def trained_model() -> Path:
     path = trained_model_path()
     assert path is not None, "the trained test model ../shared/models/tiny-pycode-llama is missing"
     return path
+
+
+@pytest.fixture
+def windowed_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GEMM path proves row-invariant, so deterministic requests take the windowed canonical
+    lane, on a machine whose GEMMs keep a row's bits from 32 rows on (tiles of 32): its pass
+    sizes then do not depend on how the CPU running the tests rounds."""
+    from sid.runtime.faults import FAULTS
+
+    monkeypatch.setattr(FAULTS, "no_invariant_gemms", True)
+    monkeypatch.setattr(FAULTS, "fast_gemm_tile", 32)

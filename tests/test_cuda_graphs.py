@@ -18,15 +18,16 @@ from sid import LLM, SamplingParams
 from sid.engine.engine import LLMEngine
 from sid.engine.kv_cache import cdiv
 from sid.engine.scheduler import ScheduledChunk
-from sid.runtime.cuda_graphs import CUDAGraphs, canonical_key
+from sid.runtime.cuda_graphs import CUDAGraphs
 from sid.runtime.model_runner import ChunkResult
 
 PROMPTS = ["def main(", "import numpy as np\n", "class Config:\n    def __init__(self", "    for i in range(", "# t\n"]
 
 
 @pytest.fixture
-def engine(trained_model: Path) -> LLMEngine:
-    """Five requests past their prompts, with graphs built (not captured) beside the runner."""
+def engine(trained_model: Path, windowed_lane: None) -> LLMEngine:
+    """Five requests past their prompts, with graphs built (not captured) beside the runner; no
+    GEMM path is proven, so deterministic requests take the canonical lane and its graphs."""
     llm = LLM(str(trained_model), max_num_seqs=8, dtype="float32")
     engine = llm.llm_engine
     for i, p in enumerate(PROMPTS):
@@ -36,7 +37,7 @@ def engine(trained_model: Path) -> LLMEngine:
     return engine
 
 
-def graphs_for(engine: LLMEngine) -> CUDAGraphs:
+def graphs_for(engine: LLMEngine, invariant_decode: bool = False) -> CUDAGraphs:
     max_positions = max(engine.max_model_len, engine.canonical.max)
     graphs = CUDAGraphs(
         engine.model,
@@ -45,6 +46,8 @@ def graphs_for(engine: LLMEngine) -> CUDAGraphs:
         canonical_sizes=engine.canonical.sizes[:2],
         max_blocks=cdiv(max_positions, engine.config.block_size),
         max_seq_len=max_positions,
+        invariant_decode=invariant_decode,
+        canonical_invariant=engine.model.gemms.invariant is not None,
     )
     graphs.replay = graphs.forward  # type: ignore[method-assign]  # what a replay computes
     return graphs
@@ -60,18 +63,18 @@ def test_every_placeholder_is_a_valid_pass_that_writes_nothing(engine: LLMEngine
     graphs = graphs_for(engine)
     cache = [t.clone() for t in engine.kv_cache.k + engine.kv_cache.v]
     cos = engine.model.rotary.cos.clone()
-    for key, shape in graphs.shapes.items():
-        graphs.load_placeholder(key)
+    for shape in graphs.shapes:
+        graphs.load_placeholder(shape)
         qsl = graphs.query_start_loc[: shape.seqs + 1]
         q_lens = qsl[1:] - qsl[:-1]
-        assert int(qsl[0]) == 0 and int(qsl[-1]) == shape.rows, key
-        assert bool((q_lens >= 0).all()) and bool((q_lens <= graphs.seq_lens[: shape.seqs]).all()), key
+        assert int(qsl[0]) == 0 and int(qsl[-1]) == shape.rows, shape
+        assert bool((q_lens >= 0).all()) and bool((q_lens <= graphs.seq_lens[: shape.seqs]).all()), shape
         with torch.inference_mode():
-            logits = graphs.forward(key)
-        assert logits.shape[0] == shape.rows and bool(torch.isfinite(logits).all()), key
+            logits = graphs.forward(shape)
+        assert logits.shape[0] == shape.rows and bool(torch.isfinite(logits).all()), shape
     assert all(torch.equal(a, b) for a, b in zip(cache, engine.kv_cache.k + engine.kv_cache.v))
     assert torch.equal(cos, engine.model.rotary.cos)
-    assert canonical_key(engine.canonical_rows) in graphs.shapes and canonical_key(2 * engine.canonical_rows) in graphs.shapes
+    assert graphs.has_canonical(engine.canonical_rows) and graphs.has_canonical(2 * engine.canonical_rows)
 
 
 def test_a_canonical_pass_through_the_static_buffers_has_the_eager_bits(engine: LLMEngine) -> None:
@@ -141,3 +144,28 @@ def test_a_decode_step_where_not_every_row_samples_keeps_the_right_rows(engine: 
     assert not eager[0].samples and not graphed[0].samples
     tokens = [[s.token_id for s in r.samples] for r in eager]
     assert all(len(t) == 1 for t in tokens[1:]) and tokens == [[s.token_id for s in r.samples] for r in graphed]
+
+
+def test_a_riding_decode_step_through_the_graph_buffers_has_the_eager_bits(trained_model: Path) -> None:
+    """Deterministic rows riding in a decode step padded to its bucket: the graph's per-sequence
+    attention flags and row-invariant GEMMs give them the eager ride pass's bits, while the
+    normal rows beside them keep the fast schedule."""
+    llm = LLM(str(trained_model), max_num_seqs=8, dtype="bfloat16")
+    engine = llm.llm_engine
+    assert engine.ride
+    for i, p in enumerate(PROMPTS):
+        params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, deterministic=i % 2 == 0)
+        engine.add_request(f"r{i}", p * (i + 1), params)
+    for _ in range(4):
+        engine.step()
+    running = engine.scheduler.running
+    assert all(engine.kv.allocate(r, r.num_tokens) for r in running)
+    chunks = [ScheduledChunk(r, r.num_computed_tokens, 1) for r in running]
+    engine.runner.ride = True
+    eager = run(engine, chunks, None, canonical=False)
+    graphs = graphs_for(engine, invariant_decode=True)
+    graphed = run(engine, chunks, graphs, canonical=False)
+    assert graphs.canonical_seqs[: len(chunks)].tolist() == [int(c.request.deterministic) for c in chunks]
+    for chunk, a, b in zip(chunks, eager, graphed):
+        if chunk.request.deterministic:
+            assert [s.token_id for s in a.samples] == [s.token_id for s in b.samples]

@@ -1,8 +1,14 @@
-"""Deterministic requests: identical bits under any batch composition, strategy and setting.
+"""Deterministic requests in the windowed canonical lane: identical bits under any batch
+composition, strategy and setting.
 
-CPU float32 is where batch variance is real (DESIGN 1), and the fault-injection hook makes
-the fast lane's numerics depend on the batch strongly enough to flip tokens, so these
-tests would fail if deterministic outputs took anything from the fast lane.
+The windowed lane (speculate, verify, commit, roll back; direct canonical decode; whole
+canonical steps) serves deterministic requests where no GEMM path is proven row-invariant
+at every row count. On this CPU one is (``sid.runtime.gemm``'s tiled path), so every test
+here injects the faults of a machine without one (``windowed_lane`` in conftest): the
+engine falls back to the windowed lane with ``M_canon`` = 32. The fast-lane fault makes the
+fast lane's numerics depend on the batch strongly enough to flip tokens, so these tests
+would fail if deterministic outputs took anything from the fast lane.
+``tests/test_ride.py`` covers rows that ride.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ PROMPT = "def fibonacci(n):\n"
 CROWD = ["import os\n", "class Node:\n    def __init__(self", "x = [", "# utils\n" * 12, "    for i in range("]
 
 
+pytestmark = pytest.mark.usefixtures("windowed_lane")
+
+
 @pytest.fixture
 def faults(monkeypatch: pytest.MonkeyPatch):
     """The fast lane's logits get batch-size-dependent noise big enough to flip tokens."""
@@ -46,11 +55,14 @@ def crowd_params(n: int) -> list[SamplingParams]:
 
 @pytest.fixture(scope="module")
 def reference(trained_model: Path) -> dict[str, list[int]]:
-    """Deterministic outputs computed alone, with no faults."""
-    llm = LLM(str(trained_model), num_kv_blocks=512)
-    outs = llm.generate(
-        [PROMPT, PROMPT, PROMPT], [det(), det(temperature=0.9, top_p=0.95, seed=5), det(logprobs=3)], use_tqdm=False
-    )
+    """Deterministic outputs computed alone, with no faults but the windowed lane's."""
+    with pytest.MonkeyPatch.context() as patch:  # a module fixture: ``windowed_lane`` is not active yet
+        patch.setattr(FAULTS, "no_invariant_gemms", True)
+        patch.setattr(FAULTS, "fast_gemm_tile", 32)
+        llm = LLM(str(trained_model), num_kv_blocks=512)
+        outs = llm.generate(
+            [PROMPT, PROMPT, PROMPT], [det(), det(temperature=0.9, top_p=0.95, seed=5), det(logprobs=3)], use_tqdm=False
+        )
     return {"greedy": outs[0].outputs[0].token_ids, "seeded": outs[1].outputs[0].token_ids, "logprobs": outs[2]}
 
 
@@ -132,10 +144,12 @@ def test_canonical_rows_are_packed_into_the_fewest_passes_of_checked_sizes(train
     fine = PassSizes.grid(128, 2048, per_octave=8)
     assert fine.sizes[:10] == (*range(128, 272, 16), 288) and fine.sizes[-3:] == (1792, 1920, 2048)
     assert fine.fit(130) == 144 and fine.fit(257) == 288 and fine.fit(1000) == 1024 and len(fine.sizes) == 33
+    assert PassSizes.grid(1, 40, per_octave=8, cover=True).sizes == (*range(1, 16), *range(16, 32, 2), 32, 36, 40)
+    assert PassSizes.grid(1, 41, per_octave=8, cover=True).sizes[-2:] == (40, 44)  # the first size above 41 too
     with pytest.raises(ValueError, match="max_canonical_rows"):
         LLM(str(trained_model), num_kv_blocks=64, max_canonical_rows=16)
-    with pytest.raises(ValueError, match="canonical_sizes_per_octave must divide"):
-        LLM(str(trained_model), num_kv_blocks=64, canonical_sizes_per_octave=3)
+    with pytest.raises(ValueError, match="canonical_sizes_per_octave"):
+        LLM(str(trained_model), num_kv_blocks=64, canonical_sizes_per_octave=0)
     sched = LLM(str(trained_model), num_kv_blocks=64).llm_engine.scheduler
     assert sched.canonical.sizes == (32, 64, 128, 256)
     prompt = Request("r", None, list(range(300)), det(), 0, 1, frozenset(), 0, deterministic=True)

@@ -44,7 +44,7 @@ def test_cuda_graph_decode_is_bit_identical_to_eager_at_the_same_padded_batch(tr
     slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
     ids = [r.token_ids[-1] for r in running]
     bucket = graphs.load(ids, pos, slots, tables, [p + 1 for p in pos])
-    assert bucket == 8
+    assert bucket.rows == 8
     replayed = graphs.replay(bucket).clone()
     eager = graphs.forward(bucket)
     assert torch.equal(replayed, eager)
@@ -58,22 +58,30 @@ def test_cuda_graph_decode_is_bit_identical_to_eager_at_the_same_padded_batch(tr
 
 
 def test_deterministic_request_is_identical_alone_and_under_load_in_bf16(trained_model: Path) -> None:
-    llm = LLM(str(trained_model))
-    det = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, deterministic=True)
-    alone = llm.generate(PROMPTS[0], det, use_tqdm=False)[0].outputs[0].token_ids
+    """Riding in graphed and eager mixed steps, and through every windowed strategy: the same bits."""
+    llm = LLM(str(trained_model), gpu_memory_utilization=0.3)
+    assert llm.llm_engine.ride, llm.llm_engine.gemm_failures  # the H200 proves a path for every shape
+    det = SamplingParams(max_tokens=64, temperature=0, logprobs=2, ignore_eos=True, deterministic=True)
+    first = llm.generate(PROMPTS[0], det, use_tqdm=False)[0]
+    alone = (first.outputs[0].token_ids, first.outputs[0].logprobs, first.fingerprint)
     crowd = [p * (i + 1) for i, p in enumerate(PROMPTS * 12)]
     params = [SamplingParams(max_tokens=32 + i, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(crowd))]
-    for strategy in ("auto", "speculate", "direct", "whole"):
-        llm.llm_engine.scheduler.strategy = strategy
-        outs = llm.generate([*crowd[:30], PROMPTS[0], *crowd[30:]], [*params[:30], det, *params[30:]], use_tqdm=False)
-        assert outs[30].outputs[0].token_ids == alone, strategy
-    assert llm.stats()["verifications"] > 0
+    outs = llm.generate([*crowd[:30], PROMPTS[0], *crowd[30:]], [*params[:30], det, *params[30:]], use_tqdm=False)
+    assert (outs[30].outputs[0].token_ids, outs[30].outputs[0].logprobs, outs[30].fingerprint) == alone
+    assert llm.stats()["strategy_choices"]["ride"] > 0 and llm.stats()["verifications"] == 0
+    del llm
+    windowed = LLM(str(trained_model), determinism_strategy="speculate", gpu_memory_utilization=0.3)
+    for strategy in ("speculate", "direct", "whole"):
+        windowed.llm_engine.scheduler.strategy = strategy
+        outs = windowed.generate([*crowd[:30], PROMPTS[0], *crowd[30:]], [*params[:30], det, *params[30:]], use_tqdm=False)
+        assert (outs[30].outputs[0].token_ids, outs[30].outputs[0].logprobs, outs[30].fingerprint) == alone, strategy
+    assert windowed.stats()["verifications"] > 0
 
 
 def test_canonical_graph_gives_the_eager_canonical_pass_bits(trained_model: Path) -> None:
     """The replayed canonical pass (max_seq_len keys, padded sequence slots) and the eager one
     (this pass's own sizes) must agree bit for bit: both are the canonical lane."""
-    llm = LLM(str(trained_model), max_num_seqs=64)
+    llm = LLM(str(trained_model), max_num_seqs=64, determinism_strategy="whole", gpu_memory_utilization=0.3)
     engine = llm.llm_engine
     assert engine.runner.graphs is not None and engine.runner.graphs.has_canonical(engine.canonical_rows)
     for i, p in enumerate(PROMPTS):
@@ -148,9 +156,9 @@ def test_overlapped_deterministic_request_has_the_lockstep_bits_under_load(train
 
 
 def test_large_canonical_passes_give_the_bits_of_small_ones_in_bf16(trained_model: Path) -> None:
-    """A long prompt and whole canonical steps in passes of up to 512 rows (cuBLASLt GEMMs, LM
+    """A long prompt and whole canonical steps in passes of up to 512 rows (proven GEMMs, LM
     head on the rows that choose a token) or only in 128-row passes: the same bits.
-    ``benchmarks/pass_invariance.py`` checks the GEMMs of the real model shapes."""
+    ``benchmarks/gemm_paths.py`` checks the GEMMs of the real model shapes."""
     long = "import numpy as np\n" * 60 + PROMPTS[0]
     det = SamplingParams(
         max_tokens=32, temperature=0.8, seed=3, logprobs=2, prompt_logprobs=1, ignore_eos=True, deterministic=True
@@ -170,7 +178,7 @@ def test_large_canonical_passes_give_the_bits_of_small_ones_in_bf16(trained_mode
 
 def test_the_scheduler_weighs_passes_the_engine_timed_at_start_up(trained_model: Path) -> None:
     """Graphed and eager passes of both lanes are timed (CPU twin: test_pass_costs.py)."""
-    engine = LLM(str(trained_model), gpu_memory_utilization=0.3).llm_engine
+    engine = LLM(str(trained_model), determinism_strategy="speculate", gpu_memory_utilization=0.3).llm_engine
     sched, cost = engine.scheduler, engine.scheduler.cost_model
     assert isinstance(cost, MeasuredPassCost)
     assert sched.fast_graph_rows == engine.runner.graphs.buckets[-1] and sched.graph_rows >= engine.canonical_rows

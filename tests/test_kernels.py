@@ -259,3 +259,39 @@ def test_canonical_rows_are_bit_identical_in_any_batch(dtype: torch.dtype, impl:
     for pos, outs in results.items():
         for other in outs[1:]:
             assert torch.equal(outs[0], other), f"position {pos} changed bits with the batch"
+
+
+@pytest.mark.parametrize("shapes", [[(SPLIT + 60, 1), (300, 1), (40, 1), (SPLIT + 9, 1)], mixed_shapes(True)])
+def test_sequences_take_their_own_schedule_in_one_batch(shapes: list[tuple[int, int]]) -> None:
+    """Per-sequence flags: canonical sequences get the bits they get in an all-canonical
+    batch, fast ones those of an all-fast batch; decode-only batches share one launch,
+    batches with prompt chunks run the two schedules one after the other."""
+    pool = Pool(260, 2, 64, torch.bfloat16, seed=21)
+    batch = mixed_batch(pool, 4, shapes)
+    batch.q = batch.q.to(torch.bfloat16)
+    flags = torch.tensor([i % 2 for i in range(len(shapes))], dtype=torch.int32, device=DEVICE)
+    kw = dict(max_query_len=max(n for _, n in shapes), max_seq_len=max(c for c, _ in shapes))
+    mixed = attention.paged_attention(*batch.args(pool), 0.125, canonical=flags, **kw)
+    canon = attention.paged_attention(*batch.args(pool), 0.125, canonical=True, **kw)
+    fast = attention.paged_attention(*batch.args(pool), 0.125, canonical=False, **kw)
+    starts = batch.query_start_loc.tolist()
+    for s in range(len(shapes)):
+        rows = slice(starts[s], starts[s + 1])
+        assert torch.equal(mixed[rows], (canon if s % 2 else fast)[rows]), f"sequence {s}"
+    _close(mixed, paged_attention_ref(*batch.args(pool), 0.125), torch.bfloat16)
+
+
+def test_canonical_bits_do_not_depend_on_how_splits_are_spread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A program folds one split (a thin batch: the combine kernel folds the rest) or every split
+    of its rows (a full batch): the same left fold of the same split states either way."""
+    pool = Pool(600, 2, 64, torch.float32, seed=23)
+    batch = mixed_batch(pool, 4, [(3 * SPLIT + 70, 1), (2 * SPLIT + 5, 9), (SPLIT - 3, 1)])
+    outs = []
+    for per_sm in (1000, 1):  # every split its own program / one program folds them all
+        monkeypatch.setattr(attention, "_PROGRAMS_PER_SM", per_sm)
+        sched = attention._canonical_schedule(2, len(batch.q), 3, 2, 9, 3 * SPLIT + 70, DEVICE)
+        outs.append((sched.group, attention.paged_attention(*batch.args(pool), 0.125, canonical=True)))
+    (spread, a), (folded, b) = outs
+    assert spread == 1 and folded == 4
+    assert torch.equal(a, b)
+    _close(a, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)

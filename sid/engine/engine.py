@@ -23,15 +23,15 @@ from sid.engine.fingerprint import numerics_fingerprint, processor, source_diges
 from sid.engine.kv_cache import KVCacheManager, PrefixCacheStats, cdiv
 from sid.engine.request import Request, RequestStatus
 from sid.engine.router import RequestContext, Router, RouterPolicy
-from sid.engine.scheduler import CPU_COST, GPU_COST, ScheduledChunk, Scheduler, StepPlan
+from sid.engine.scheduler import CPU_COST, GPU_COST, PassSizes, ScheduledChunk, Scheduler, StepPlan
 from sid.engine.selftest import self_test
 from sid.model.config import CheckpointError, ModelConfig
 from sid.model.decoder import Shard
 from sid.model.loader import build_model
 from sid.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from sid.runtime.attention import PagedKVCache, get_backend
-from sid.runtime.blas import use_row_invariant_gemms
 from sid.runtime.cuda_graphs import CUDAGraphs
+from sid.runtime.gemm import CPU_TILE, candidates, fast_path, prove_plan
 from sid.runtime.model_runner import ChunkResult, LaunchedPass, ModelRunner, SampledToken, TokenFeed, placeholder
 from sid.runtime.tp_worker import TPWorkers, WorkerSpec
 from sid.sampling_params import RequestOutputKind, SamplingParams
@@ -82,15 +82,18 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} positions")
         self.max_model_len = config.max_model_len or limit
-        self.canonical = config.canonical_sizes_for(self.device)
-        self.blas = use_row_invariant_gemms(self.device)
+        self.canonical = config.canonical_sizes_for(self.device, proven=False)
+        self.ride = False
+        """Deterministic rows ride in ordinary passes (GEMMs proven row-invariant, DESIGN 1b)."""
+        self.gemm_failures: dict[str, str] = {}
         cuda = self.device.type == "cuda"
         # Bytes other engines held when this one started: KV sizing leaves them out.
         self._memory_baseline = torch.cuda.memory_allocated(self.device) if cuda else 0
-        max_positions = max(self.max_model_len, self.canonical.max)  # padding rows too
+        proven_sizes = config.canonical_sizes_for(self.device, proven=True)
+        max_positions = max(self.max_model_len, self.canonical.max, proven_sizes.max)  # padding rows too
         self.workers = self._start_workers(max_positions)
         try:
-            self._build(max_positions)
+            self._build(max_positions, proven_sizes)
         except BaseException:
             self.shutdown()
             raise
@@ -132,7 +135,7 @@ class LLMEngine:
         weakref.finalize(self, workers.shutdown)
         return workers
 
-    def _build(self, max_positions: int) -> None:
+    def _build(self, max_positions: int, proven_sizes: PassSizes) -> None:
         config = self.config
         self.model = build_model(
             self.model_config,
@@ -144,8 +147,11 @@ class LLMEngine:
             seed=config.seed,
             tp=self.workers.group if self.workers is not None else None,
         )
+        self.model.gemms.fast = fast_path(self.device)
         if self.workers is not None:
             self.workers.wait_ready()
+        if config.enable_determinism:
+            self._prove_gemms(proven_sizes)
         self.backend = get_backend(config.attention_backend, self.device)
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         self.kv_cache = self._kv_cache(num_blocks)
@@ -162,17 +168,22 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_cache, config.block_size, self.device, self.canonical, self.workers
         )
+        self.scheduler.ride = self.runner.ride = self.ride
         # Under TP the graphs would have to capture the collectives too; TP runs eagerly.
         if self.device.type == "cuda" and not config.enforce_eager and self.workers is None:
             max_batch = min(config.max_num_seqs, 256)
+            windowed = config.enable_determinism and not self.ride
             canonical_graphs = [s for s in self.canonical.sizes if s <= max(max_batch, self.canonical.base)]
+            invariant = self.model.gemms.invariant
             self.runner.graphs = CUDAGraphs(
                 self.model,
                 self.kv_cache,
                 max_batch=max_batch,
-                canonical_sizes=canonical_graphs if config.enable_determinism else (),
+                canonical_sizes=canonical_graphs if windowed else (),
                 max_blocks=cdiv(max_positions, config.block_size),
                 max_seq_len=max_positions,
+                invariant_decode=self.ride and any(p != self.model.gemms.fast for p in (invariant or {}).values()),
+                canonical_invariant=invariant is not None,
             )
             self.runner.graphs.capture()
         self.router = Router(_router_policy(config.router_policy))
@@ -192,7 +203,7 @@ class LLMEngine:
             self.scheduler.canonical = self.runner.canonical = self.canonical
             self.scheduler.graph_rows = max((s for s in self.canonical.sizes if self.runner.graphed(s)), default=0)
             self.scheduler.fast_graph_rows = self.runner.graphs.buckets[-1] if self.runner.graphs is not None else 0
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and not self.ride:
                 measured = measure_pass_costs(
                     self.runner,
                     self.kv,
@@ -206,6 +217,27 @@ class LLMEngine:
                 )
                 self.scheduler.cost_model = measured or GPU_COST
             self.kv.stats = PrefixCacheStats()
+
+    def _prove_gemms(self, sizes: PassSizes) -> None:
+        """Prove, per weight shape, a GEMM path that gives a row the same bits at every pass
+        size of ``sizes`` (``sid.runtime.gemm``). With one for every shape, deterministic rows
+        ride in ordinary passes padded to those sizes (unless a windowed strategy is asked
+        for) and canonical passes may be as small as one row; without, deterministic requests
+        take the windowed canonical lane at today's ``M_canon``."""
+        strategy = self.config.determinism_strategy
+        paths = candidates(self.device, CPU_TILE)
+        plan, self.gemm_failures = prove_plan(self.model.gemm_weights(), paths, list(sizes.sizes))
+        if plan is None:
+            if strategy == "ride":
+                failed = "; ".join(f"{k}: {v}" for k, v in self.gemm_failures.items())
+                raise ValueError(f"determinism_strategy='ride' needs GEMMs that keep a row's bits at every row count: {failed}")
+            logger.info("no row-invariant GEMM path for every shape; deterministic requests take the windowed lane")
+            return
+        self.model.gemms.invariant = plan
+        if self.workers is not None:
+            self.workers.set_gemms(plan)
+        self.canonical = sizes
+        self.ride = strategy in ("auto", "ride")
 
     def _kv_cache(self, num_blocks: int) -> PagedKVCache:
         """This rank's KV cache; under TP every worker allocates its own of the same block count."""
@@ -230,9 +262,11 @@ class LLMEngine:
         """Everything that fixes canonical bits (DESIGN 3.2); see ``sid.engine.fingerprint``."""
         import triton
 
+        gemms = self.model.gemms
         return {
-            "canonical_rows": self.canonical_rows,
-            "blas": self.blas,
+            # Rows keep their bits at every pass size under proven GEMMs, so M_canon fixes no bits then.
+            "canonical_rows": None if gemms.invariant is not None else self.canonical_rows,
+            "gemms": gemms.describe() if gemms.invariant is not None else str(gemms.fast),
             "dtype": str(self.dtype),
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "attention": self.backend.canonical_config(),
@@ -445,6 +479,8 @@ class LLMEngine:
             "preemptions": sched.preemptions,
             "scheduled_tokens": sched.scheduled_tokens,
             "canonical_passes": sched.canonical_passes,
+            "determinism": "ride" if self.ride else "windowed",
+            "gemm_paths": self.model.gemms.describe(),
             "canonical_pass_sizes": list(self.canonical.sizes),
             "canonical_rows_used": sched.canonical_rows_used,
             "canonical_rows_padded": sched.canonical_rows_padded,
@@ -506,6 +542,8 @@ class LLMEngine:
                 request.num_computed_tokens = max(request.num_computed_tokens, chunk.end)
                 if canonical and request.deterministic:
                     request.n_canon = chunk.end
+                if self.ride and request.deterministic:
+                    request.n_canon = chunk.end  # its rows rode: canonical K/V
                 takes = row is not None and chunk.end == request.num_tokens and request.num_output_tokens < request.max_tokens
                 if takes:
                     request.token_ids.append(placeholder(launched.step, offset + row))  # type: ignore[operator]
@@ -546,12 +584,12 @@ class LLMEngine:
         elif takes_token:  # the chunk's last row chose the token its placeholder stands for
             last = result.samples[-1]
             _fill(request, last.position + 1, last.token_id)
-            if request.deterministic:
+            if request.deterministic and not self.ride:
                 self.stats.proposed_tokens += 1  # it waits for verification
                 cacheable = 0
             else:
-                self._emit(request, last.logprobs)
-        elif request.deterministic:
+                self._emit(request, last.logprobs)  # riding rows are canonical: committed at once
+        elif request.deterministic and not self.ride:
             cacheable = 0
         if chunk.end == request.num_tokens and request.max_tokens == 0 and not request.wants_prompt_logprobs:
             request.status = RequestStatus.FINISHED_LENGTH

@@ -23,7 +23,7 @@ _NUMERICS_SOURCES = (
     "model/decoder.py",
     "model/layers.py",
     "runtime/attention.py",
-    "runtime/blas.py",
+    "runtime/gemm.py",
     "runtime/distributed.py",
     "runtime/model_runner.py",
     "runtime/sampler.py",

@@ -28,7 +28,9 @@ from typing import Protocol
 from sid.engine.kv_cache import KVCacheManager
 from sid.engine.request import Request, RequestStatus
 
-STRATEGIES = ("auto", "speculate", "direct", "whole")
+STRATEGIES = ("auto", "ride", "speculate", "direct", "whole")
+WINDOWED = ("speculate", "direct", "whole")
+"""The strategies of the canonical lane (DESIGN 3.4-3.5), for where rows cannot ride."""
 
 
 @dataclass(frozen=True)
@@ -83,19 +85,24 @@ class PassSizes:
             raise ValueError(f"canonical pass sizes must be distinct, ascending and positive, got {self.sizes}")
 
     @classmethod
-    def grid(cls, base: int, largest: int, per_octave: int = 1) -> PassSizes:
-        """``base * 2**j * (1 + k / per_octave)`` for ``k < per_octave``, up to ``largest``."""
+    def grid(cls, base: int, largest: int, per_octave: int = 1, cover: bool = False) -> PassSizes:
+        """``base * 2**j * (1 + k / per_octave)`` for ``k < per_octave`` (every integer where an
+        octave has fewer), up to ``largest``, or up to the first size at or above it (``cover``:
+        every pass of up to ``largest`` rows then has a size that holds it)."""
         if base < 1 or largest < base:
             raise ValueError(
                 f"canonical pass sizes need 1 <= canonical_rows <= max_canonical_rows, got {base} and {largest}"
             )
-        if per_octave < 1 or base % per_octave:
-            raise ValueError(f"canonical_sizes_per_octave must divide canonical_rows={base}, got {per_octave}")
-        sizes, octave = [], base
-        while octave <= largest:
-            sizes += [s for s in range(octave, 2 * octave, octave // per_octave) if s <= largest]
+        if per_octave < 1:
+            raise ValueError(f"canonical_sizes_per_octave must be >= 1, got {per_octave}")
+        sizes: list[int] = []
+        octave = base
+        while True:
+            for size in range(octave, 2 * octave, max(1, octave // per_octave)):
+                if size > largest and not (cover and sizes[-1] < largest):
+                    return cls(tuple(sizes))
+                sizes.append(size)
             octave *= 2
-        return cls(tuple(sizes))
 
     @property
     def base(self) -> int:
@@ -234,6 +241,9 @@ class Scheduler:
         """Largest canonical pass a CUDA graph replays (0: none); the engine sets it."""
         self.fast_graph_rows = 0
         """Largest fast decode step (one row per request) a CUDA graph replays; the engine sets it."""
+        self.ride = False
+        """Deterministic requests are scheduled as normal ones: their rows ride in fast passes
+        (the engine sets it when the GEMMs are proven row-invariant, DESIGN 1b)."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -283,7 +293,7 @@ class Scheduler:
         and its results are not in yet (overlapped scheduling)."""
         if request.last_token_in_flight:
             return None
-        if not request.deterministic:
+        if not request.deterministic or self.ride:
             start = request.num_computed_tokens
             if start >= request.num_tokens:
                 return None
@@ -402,6 +412,12 @@ class Scheduler:
 
     def _assign_lanes(self, plan: StepPlan, demands: list[_Demand]) -> None:
         fast = [d.fast for d in demands if d.canonical is None and d.fast is not None]
+        if self.ride:
+            plan.fast = fast
+            if any(c.request.deterministic for c in fast):
+                plan.strategy = "ride"
+                self.stats.strategy_choices["ride"] += 1
+            return
         required = [d.canonical for d in demands if d.required and d.canonical is not None]
         flexible = [d for d in demands if d.canonical is not None and not d.required]
         canonical: list[ScheduledChunk] = list(required)

@@ -1,12 +1,17 @@
 """Start-up self-test of the canonical numerics contract (DESIGN 3.7).
 
-The same probe positions are computed in canonical passes that differ in everything the
-contract says must not matter: the slot a row sits in, the other rows of the pass, how
-the probe is chunked across passes, the size of the pass and of its LM head (every
-``PassSizes`` size the KV pool can fill), and whether its prefix came from the prefix cache.
-Logits, K/V and tokens sampled at temperature > 0 must agree bit for bit; otherwise
-deterministic mode refuses to start, naming what broke. A pass size above ``M_canon``
-that changes bits is dropped instead (a warning says which), as is one the pool cannot fill.
+The same probe positions are computed in passes that differ in everything the contract
+says must not matter: the slot a row sits in, the other rows of the pass, how the probe is
+chunked across passes, the size of the pass and of its LM head, and whether its prefix came
+from the prefix cache. Logits, K/V and tokens sampled at temperature > 0 must agree bit for
+bit; otherwise deterministic mode refuses to start, naming what broke.
+
+Where deterministic rows ride in ordinary passes (``ModelRunner.ride``), the probe is a
+deterministic request among normal ones, which attend with the fast schedule, in passes of
+several sizes (the GEMMs were proven at every size already, ``sid.runtime.gemm``). Where
+they take the windowed canonical lane, the passes are canonical ones, at every ``PassSizes``
+size the KV pool can fill: a size above ``M_canon`` that changes bits is dropped instead
+(a warning says which), as is one the pool cannot fill.
 """
 
 from __future__ import annotations
@@ -30,7 +35,12 @@ _PARAMS = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=1)
 
 
 def synthetic_request(
-    request_id: str, tokens: list[int], prompt_len: int, domain: str, params: SamplingParams = _PARAMS
+    request_id: str,
+    tokens: list[int],
+    prompt_len: int,
+    domain: str,
+    params: SamplingParams = _PARAMS,
+    deterministic: bool = True,
 ) -> Request:
     """A request holding ``tokens``, the first ``prompt_len`` as its prompt: rows past the
     prompt's last choose a token, so a large pass computes their logits."""
@@ -43,8 +53,8 @@ def synthetic_request(
         max_tokens=len(tokens),
         eos_token_ids=frozenset(),
         arrival=0,
-        deterministic=True,
-        domain=domain,
+        deterministic=deterministic,
+        domain=domain if deterministic else "fast",
     )
     request.token_ids.extend(tokens[prompt_len:])
     request.num_emitted = len(tokens) - prompt_len
@@ -65,16 +75,22 @@ class ProbeRun:
 class SelfTest:
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, domain: str, max_model_len: int) -> None:
         self.runner, self.kv, self.domain = runner, kv, domain
+        self.ride = runner.ride
+        self.proven = runner.model.gemms.invariant is not None
+        """The GEMMs were proven row-invariant at every pass size: passes of any size may be used."""
         self.m = runner.canonical.base
         bs = kv.block_size
         capacity = kv.pool.num_free * bs
         # Filler rows crowd the probe's passes, up to the largest pass size the pool allows,
-        # in as many sequences as the model's length limit asks for.
-        self.filler_rows = max(min(runner.canonical.max, capacity // 2), min(self.m, capacity // 3))
+        # in as many sequences as the model's length limit asks for. Riding rows' GEMMs were
+        # proven at every size, so their passes are spot-checked up to a size that stays quick.
+        largest = min(runner.canonical.max, 1024 if runner.device.type == "cuda" else 256) if self.proven else runner.canonical.max
+        self.filler_rows = max(min(largest, capacity // 2), min(self.m, capacity // 3))
         gen = torch.Generator().manual_seed(0)
         filler = torch.randint(0, runner.vocab_size, (self.filler_rows,), generator=gen).tolist()
         self.fillers = [filler[i : i + max_model_len - 1] for i in range(0, self.filler_rows, max_model_len - 1)]
-        self.n = min(2 * self.m + 37, max_model_len - 1, capacity - sum(cdiv(len(f), bs) * bs for f in self.fillers))
+        probe = 2 * max(self.m, 32) + 37
+        self.n = min(probe, max_model_len - 1, capacity - sum(cdiv(len(f), bs) * bs for f in self.fillers))
         if self.n < 2:
             raise DeterminismSelfTestError(f"the KV cache ({capacity} token slots) is too small for the self-test")
         self.probe = torch.randint(0, runner.vocab_size, (self.n,), generator=gen).tolist()
@@ -82,11 +98,15 @@ class SelfTest:
 
     @property
     def sizes(self) -> list[int]:
-        """The pass sizes above ``M_canon`` that the filler can fill."""
-        return [s for s in self.runner.canonical.sizes[1:] if s <= self.filler_rows]
+        """The pass sizes above ``M_canon`` that the filler can fill: all of them, or a few
+        spread ones where the GEMMs were proven at every size already."""
+        sizes = [s for s in self.runner.canonical.sizes[1:] if s <= self.filler_rows]
+        if self.proven and sizes:
+            return sorted({min(sizes, key=lambda s: abs(s - target)) for target in (self.n, 200, 1000, sizes[-1])})
+        return sizes
 
-    def request(self, tokens: list[int], prompt_len: int) -> Request:
-        return synthetic_request(f"selftest-{next(self._ids)}", tokens, prompt_len, self.domain)
+    def request(self, tokens: list[int], prompt_len: int, deterministic: bool = True) -> Request:
+        return synthetic_request(f"selftest-{next(self._ids)}", tokens, prompt_len, self.domain, deterministic=deterministic)
 
     def probe_request(self) -> Request:
         return self.request(self.probe, 1)
@@ -98,7 +118,8 @@ class SelfTest:
         ``fill(i)`` rows of the filler prompts (rows that choose no token, but for a filler
         sequence's last), then ``rows(i)`` probe rows. ``target`` must hold its blocks already."""
         kv = self.kv
-        others = [self.request(f, len(f)) for f in self.fillers]
+        # Riding rows share passes with normal requests' rows; canonical passes hold canonical rows only.
+        others = [self.request(f, len(f), deterministic=not self.ride) for f in self.fillers]
         if not all(kv.allocate(other, other.num_tokens) for other in others):
             raise DeterminismSelfTestError("the KV cache is too small for the self-test")
         out = ProbeRun()
@@ -112,7 +133,7 @@ class SelfTest:
             k = min(rows(i), stop - pos, size - f)
             chunks.append(ScheduledChunk(target, pos, k))
             table = kv.block_table([c.request for c in chunks])
-            res = self.runner.execute(chunks, table, canonical=True, keep_logits=True)[-1]
+            res = self.runner.execute(chunks, table, canonical=not self.ride, keep_logits=True)[-1]
             assert res.logits is not None
             for j, sampled in enumerate(res.samples):
                 out.tokens[sampled.position] = sampled.token_id
@@ -138,7 +159,7 @@ class SelfTest:
 
     def on_cached_prefix(self) -> tuple[ProbeRun, int]:
         """Compute the probe's first half, then the rest on top of its cached blocks."""
-        kv, bs, m = self.kv, self.kv.block_size, self.m
+        kv, bs, m = self.kv, self.kv.block_size, max(self.m, 8)
         half = (self.n // 2 // bs) * bs
         first = self.probe_request()
         assert kv.allocate(first, half)
@@ -157,13 +178,19 @@ class SelfTest:
 
 
 def self_test(runner: ModelRunner, kv: KVCacheManager, domain: str, max_model_len: int) -> PassSizes:
-    """Raise ``DeterminismSelfTestError`` unless canonical rows are independent at
-    ``M_canon``; returns the pass sizes checked to give a row the same bits (a size that
-    changes bits costs speed, not the guarantee)."""
+    """Raise ``DeterminismSelfTestError`` unless deterministic rows are independent of their
+    company (at ``M_canon``, or at every size where the GEMMs were proven); returns the pass
+    sizes that give a row the same bits (without a proof, a size that changes bits costs
+    speed, not the guarantee)."""
     test = SelfTest(runner, kv, domain, max_model_len)
     m = test.m
-    alone = test.fresh(m, lambda i: m, lambda i: 0)
-    crowded = test.fresh(m, lambda i: (7, 13, 29, 5)[i % 4], lambda i: (3, 11, 1, 6)[i % 4])
+    if test.proven:  # alone, one row per pass as in a lone decode, then in chunks; then crowded, at any size
+        chunk = min(16, runner.canonical.max)
+        alone = test.fresh(chunk, lambda i: 1 if i < 8 else chunk, lambda i: 0)
+        crowded = test.fresh(min(64, runner.canonical.max), lambda i: (7, 13, 29, 5)[i % 4], lambda i: (3, 30, 1, 17)[i % 4])
+    else:
+        alone = test.fresh(m, lambda i: m, lambda i: 0)
+        crowded = test.fresh(m, lambda i: (7, 13, 29, 5)[i % 4], lambda i: (3, 11, 1, 6)[i % 4])
     _require(alone, crowded, range(test.n), "other rows in the pass, other slots and other chunking")
     if kv.enable_prefix_caching and test.n >= 2 * kv.block_size:
         cached, start = test.on_cached_prefix()
@@ -175,12 +202,15 @@ def self_test(runner: ModelRunner, kv: KVCacheManager, domain: str, max_model_le
     passed = [m]
     for size in test.sizes:
         sized = test.fresh(size, lambda i: half, lambda i, size=size: size - half - i)
+        if test.proven:
+            _require(alone, sized, range(test.n), f"a pass of {runner.canonical.fit(size)} rows")
+            continue
         broken = _difference(alone, sized, range(test.n))
         if broken is None:
             passed.append(size)
         else:
             logger.warning("canonical passes of %d rows are not used: %s in a pass of that size", size, broken)
-    return PassSizes(tuple(passed))
+    return runner.canonical if test.proven else PassSizes(tuple(passed))
 
 
 def _filler_chunks(others: list[Request], start: int, rows: int) -> list[ScheduledChunk]:
@@ -200,6 +230,7 @@ def _require(ref: ProbeRun, other: ProbeRun, positions: range, what: str) -> Non
         raise DeterminismSelfTestError(
             f"deterministic mode refused: {broken} with {what}; canonical rows are not independent on this machine"
         )
+
 
 
 def _difference(ref: ProbeRun, other: ProbeRun, positions: range) -> str | None:

@@ -2,37 +2,49 @@
 
 Layout and semantics are those of ``sid.kernels.attention_ref`` (the torch references).
 
-One kernel body serves both schedules. A program owns one *query block* (``BLOCK_Q``
-positions of one sequence, aligned to multiples of ``BLOCK_Q``, times the ``GROUP`` query
-heads that share one KV head, packed into ``BLOCK_M`` rows so K/V are read once per KV head)
-and one KV *split* (keys ``[split * split_size, (split + 1) * split_size)``). It walks that
-range in tiles of ``TILE`` keys aligned to absolute positions, with an online softmax in
-increasing tile order. A row whose keys all lie in split 0 is finished there and written
-directly; other rows leave per-split partials (max, sum, accumulator) that
-``_combine_kernel`` merges in increasing split order.
+One kernel body serves both schedules, chosen per *sequence* (``canonical`` may be one flag
+for the batch or one per sequence), so a pass can hold rows of both: a deterministic
+request's rows attend canonically beside normal rows (DESIGN 1b). A program owns one *query
+block* (``BLOCK_Q`` positions of one sequence, aligned to multiples of ``BLOCK_Q``, times the
+``GROUP`` query heads that share one KV head, packed into ``BLOCK_M`` rows so K/V are read once
+per KV head) and ``group`` consecutive KV *splits* of its sequence (split ``s`` holds keys
+``[s * split_size, (s + 1) * split_size)``). Each split is walked in tiles of ``TILE`` keys
+aligned to absolute positions, with an online softmax in increasing tile order, from a fresh
+state; the splits' states are then folded left to right (``_merge``). The program that holds
+split 0 folds its own splits and writes the rows it completes; every other split's state goes
+to a partial buffer, and ``_combine_kernel`` continues the same left fold over them. So a row's
+result is the same fold of the same split states however the splits were spread over
+programs: the spread (``group``) is free to follow the batch.
 
-* Fast schedule (``canonical=False``): block shape, tile and split size are chosen from the
-  batch (small BLOCK_M and long tiles for decode-only steps; split-KV only when the grid would
-  otherwise leave multiprocessors idle, flash-decoding style).
-* Canonical schedule (``canonical=True``, DESIGN 3.1): every constant is fixed
+* Fast schedule: block shape, tile and split size are chosen from the batch (small BLOCK_M and
+  long tiles for decode-only steps; split-KV only when the grid would otherwise leave
+  multiprocessors idle, flash-decoding style), one split per program.
+* Canonical schedule (DESIGN 3.1): block shape, tile and split size are fixed
   (``CANONICAL_CONFIG``), so a row's arithmetic is a function of its own position and keys
   only. A position always occupies the same row of its query block; tiles and splits sit at
   fixed absolute positions, and tiles past a row's last key are exact no-ops (scores -inf,
   rescale factor forced to 1), so neither the other rows, the query tiling, the number of
-  tiles/splits the batch needs, nor prefill-vs-decode can change its bits. Integer arguments
-  that depend on the batch are not specialised by Triton, so every batch runs the same
-  compiled kernel.
+  tiles/splits the batch needs, nor prefill-vs-decode can change its bits. The split is short
+  (a long context gives a lone sequence many programs), and ``group`` is chosen from the batch:
+  a full batch folds all of a row's splits in one program and writes no partials.
+  Integer arguments that depend on the batch are not specialised by Triton, so every batch
+  runs the same compiled kernel.
+
+When both schedules have the same block shape (decode-only steps), one launch serves a mixed
+batch; otherwise the two launch one after the other, each skipping the other's sequences.
 
 Floor: decode attention is memory-bound; a step cannot beat
 ``(K + V bytes read + Q bytes read + O bytes written) / HBM bandwidth``, i.e. per sequence
 ``2 * seq_len * kv_heads * head_dim * cache bytes`` plus ``2 * q_rows * heads * head_dim *
 q bytes``, over ~3.7 TB/s on the H200 (Llama-3.1-8B, bf16, 8192 keys: 32 MiB, ~9 us per
 sequence and layer). Split-KV partials add ``q_rows * heads * splits * (head_dim + 2) * 8``
-bytes. Measured on the H200 (benchmarks/attention.py, CUDA graphs, 2026-11-29): the fast
-schedule reaches 0.9-1.0 of the floor from 32 x 8192 or 128 x 2048 (batch x context) up, the
-canonical one 0.80-0.86 (Llama-3.1-8B, GQA 4) and 0.66-0.68 (Qwen3-0.6B, GQA 2); single-digit
-batches are latency-bound (16-50 us per layer). Prefill (8 x 2048) runs at ~225 TFLOP/s fast
-and ~120 canonical, a third of the bf16 matmul rate or less.
+bytes. Prefill is bound by its FLOPs, ``4 * q_rows * heads * head_dim * keys / 2`` (causal),
+over the measured bf16 matmul rate (~790 TFLOP/s). Measured on the H200 before per-sequence
+schedules (benchmarks/attention.py, CUDA graphs, 2026-11-29): the fast schedule reaches
+0.9-1.0 of the floor from 32 x 8192 or 128 x 2048 (batch x context) up, the canonical one
+0.80-0.86 (Llama-3.1-8B, GQA 4) and 0.66-0.68 (Qwen3-0.6B, GQA 2); single-digit batches are
+latency-bound (16-50 us per layer). Prefill (8 x 2048) runs at ~225 TFLOP/s fast and ~120
+canonical, a third of the bf16 matmul rate or less.
 """
 
 from __future__ import annotations
@@ -48,7 +60,7 @@ from triton import knobs
 CANONICAL_CONFIG: dict[str, int] = {
     "block_m": 16,
     "kv_tile": 128,
-    "kv_split": 4096,
+    "kv_split": 512,
     "num_warps": 4,
     "num_stages": 3,
 }
@@ -56,21 +68,22 @@ CANONICAL_CONFIG: dict[str, int] = {
 
 ``block_m`` is raised to the next power of two of the GQA group when the group is larger
 (a function of the model, never of the batch). Tiles sit at multiples of ``kv_tile``
-absolute positions, split boundaries at multiples of ``kv_split``. Chosen on the H200 by
-``benchmarks/canonical_sweep.py`` over the canonical lane's own shapes, Qwen3-0.6B and
-Llama-3.1-8B head layouts, canonical time over fast time on the same inputs: for 256
-decoding sequences of 1,536 keys (a whole canonical step) 1.00 with kv_split 4096 against
-1.10 with 1024, which splits them; for 64 sequences 0.93 against 1.01; 256-row prompt
-chunks 0.70-1.36 against 0.79-1.43 (block_m 32 gave 1.11-1.34 for decode). Contexts above
-4,096 keys are split, so a long decode still spreads over the multiprocessors.
+absolute positions, split boundaries at multiples of ``kv_split``. The block shape was chosen
+on the H200 by ``benchmarks/canonical_sweep.py`` (block_m 16 decodes as fast as the fast
+schedule; 64 is twice as slow there). The split is short so that one long sequence spreads
+over the multiprocessors (32k keys: 64 splits per KV head); how many splits one program
+folds is chosen from the batch, so a full batch pays no partials for it.
 """
 
 _COMBINE_NUM_WARPS = 4
 _FAST_MIN_SPLIT_KEYS = 256
 """Fast schedule: a split is never shorter than this, so the partials stay cheap."""
-_FAST_PROGRAMS_PER_SM = 4
+_PROGRAMS_PER_SM = 4
+"""Split-KV spreads a batch until about this many programs per multiprocessor."""
 _NOMINAL_SMS = 8
 """Stand-in multiprocessor count off CUDA (the interpreter), so CPU runs exercise split-KV."""
+_SERVE_FAST, _SERVE_CANONICAL = 1, 2
+"""Bits of a launch's ``serve``: which sequences' schedule it runs."""
 
 
 def _patch_interpreter_scalar_index() -> None:
@@ -97,11 +110,19 @@ if knobs.runtime.interpret:
 
 
 class _Schedule(NamedTuple):
+    """A launch's constants: block shape, tile, split size, and how many splits a program folds."""
+
     block_m: int
     kv_tile: int
     split_size: int
     num_warps: int
     num_stages: int
+    group: int = 1
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """What the compiled kernel depends on: schedules of one shape can share a launch."""
+        return self.block_m, self.kv_tile, self.num_warps, self.num_stages
 
 
 @triton.jit
@@ -160,7 +181,30 @@ def _block_rows(
     return seq, done, token, head, valid, pos, last_pos
 
 
-@triton.jit(do_not_specialize=["num_seqs", "split_size", "num_splits", "stride_bt"])
+@triton.jit
+def _merge(m_i, l_i, acc, m_s, l_s, acc_s):
+    """Fold a split's state into the running one: the single combine formula of both kernels,
+    so a fold gives the same bits whichever kernel performs it. A state with no keys
+    (``m`` = -inf, ``l`` = 0) is an exact no-op on either side."""
+    m_new = tl.maximum(m_i, m_s)
+    alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
+    beta = tl.where(m_new == m_s, 1.0, tl.exp2(m_s - m_new))
+    return m_new, l_i * alpha + l_s * beta, acc * alpha[:, None] + acc_s * beta[:, None]
+
+
+@triton.jit
+def _sequence_schedule(canonical_ptr, seq, serve, fast_split, canonical_split, canonical_group):
+    """(served by this launch, split size, splits per program) of sequence ``seq``."""
+    canonical = tl.load(canonical_ptr + seq) != 0
+    served = (serve & tl.where(canonical, 2, 1)) != 0
+    split_size = tl.where(canonical, canonical_split, fast_split)
+    group = tl.where(canonical, canonical_group, 1)
+    return served, split_size, group
+
+
+@triton.jit(
+    do_not_specialize=["num_seqs", "serve", "fast_split", "canonical_split", "canonical_group", "num_slots", "stride_bt"]
+)
 def _attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -172,10 +216,14 @@ def _attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    canonical_ptr,
     qk_scale,
     num_seqs,
-    split_size,
-    num_splits,
+    serve,
+    fast_split,
+    canonical_split,
+    canonical_group,
+    num_slots,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -200,14 +248,19 @@ def _attention_kernel(
     DIM: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
-    """Online-softmax attention of one query block over one KV split (see the module doc)."""
+    """Online-softmax attention of one query block over its ``group`` splits (see the module doc)."""
     seq, done, token, head, valid, pos, last_pos = _block_rows(
         query_start_loc_ptr, seq_lens_ptr, num_seqs, GROUP, BLOCK_M, BLOCK_Q
     )
-    split_start = tl.program_id(2) * split_size
-    if done | (split_start > last_pos):
+    if done:
         return
-    kv_stop = tl.minimum(split_start + split_size, last_pos + 1)
+    served, split_size, group = _sequence_schedule(
+        canonical_ptr, seq, serve, fast_split, canonical_split, canonical_group
+    )
+    first = tl.program_id(2) * group
+    if (~served) | (first * split_size > last_pos):
+        return
+    stop = tl.minimum(first + group, last_pos // split_size + 1)
     kv_head = tl.program_id(1)
     dims = tl.arange(0, DIM)
     dim_ok = dims < HEAD_DIM
@@ -219,56 +272,74 @@ def _attention_kernel(
     q = q.to(DOT_DTYPE)
     precision: tl.constexpr = "ieee" if DOT_DTYPE == tl.float32 else "tf32"
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DIM], tl.float32)
-    for tile_start in range(split_start, kv_stop, TILE):
-        keys = tile_start + tl.arange(0, TILE)
-        key_ok = keys < kv_stop
-        block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        offset = keys % BLOCK_SIZE
-        k = tl.load(
-            k_cache_ptr
-            + block[None, :] * stride_kb
-            + offset[None, :] * stride_ks
-            + kv_head * stride_kh
-            + dims[:, None] * stride_kd,
-            mask=key_ok[None, :] & dim_ok[:, None],
-            other=0.0,
+    part = (token * tl.num_programs(1) * GROUP + head) * num_slots
+    m_f = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_f = tl.zeros([BLOCK_M], tl.float32)
+    acc_f = tl.zeros([BLOCK_M, DIM], tl.float32)
+    for split in range(first, stop):
+        split_start = split * split_size
+        kv_stop = tl.minimum(split_start + split_size, last_pos + 1)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DIM], tl.float32)
+        for tile_start in range(split_start, kv_stop, TILE):
+            keys = tile_start + tl.arange(0, TILE)
+            key_ok = keys < kv_stop
+            block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            offset = keys % BLOCK_SIZE
+            k = tl.load(
+                k_cache_ptr
+                + block[None, :] * stride_kb
+                + offset[None, :] * stride_ks
+                + kv_head * stride_kh
+                + dims[:, None] * stride_kd,
+                mask=key_ok[None, :] & dim_ok[:, None],
+                other=0.0,
+            )
+            v = tl.load(
+                v_cache_ptr
+                + block[:, None] * stride_vb
+                + offset[:, None] * stride_vs
+                + kv_head * stride_vh
+                + dims[None, :] * stride_vd,
+                mask=key_ok[:, None] & dim_ok[None, :],
+                other=0.0,
+            )
+            s = tl.dot(q, k.to(DOT_DTYPE), input_precision=precision) * qk_scale
+            s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # Forced to exactly 1 when the max is unchanged (e.g. a tile past the row's position).
+            alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
+            # A row with no key yet in this split (a later split of a short row that split 0's
+            # program folds) keeps an empty state: no NaN from -inf - -inf.
+            p = tl.exp2(s - tl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=precision)
+            m_i = m_new
+        if first == 0:
+            m_f, l_f, acc_f = _merge(m_f, l_f, acc_f, m_i, l_i, acc)
+        else:
+            reach = valid & (pos >= split_start)
+            tl.store(part_max_ptr + part + split, m_i, mask=reach)
+            tl.store(part_sum_ptr + part + split, l_i, mask=reach)
+            tl.store(
+                part_acc_ptr + (part + split)[:, None] * DIM + dims[None, :], acc, mask=reach[:, None] & dim_ok[None, :]
+            )
+    if first == 0:
+        complete = pos // split_size < stop
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
+            (acc_f / l_f[:, None]).to(out_ptr.dtype.element_ty),
+            mask=(valid & complete)[:, None] & dim_ok[None, :],
         )
-        v = tl.load(
-            v_cache_ptr
-            + block[:, None] * stride_vb
-            + offset[:, None] * stride_vs
-            + kv_head * stride_vh
-            + dims[None, :] * stride_vd,
-            mask=key_ok[:, None] & dim_ok[None, :],
-            other=0.0,
-        )
-        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=precision) * qk_scale
-        s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Forced to exactly 1 when the max is unchanged (e.g. a tile past the row's position).
-        alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=precision)
-        m_i = m_new
-    out_mask = valid[:, None] & dim_ok[None, :]
-    complete = (pos < split_size) & (split_start == 0)
-    tl.store(
-        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
-        (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
-        mask=out_mask & complete[:, None],
-    )
-    partial = valid & (pos >= split_start) & ~complete
-    part = (token * tl.num_programs(1) * GROUP + head) * num_splits + tl.program_id(2)
-    tl.store(part_max_ptr + part, m_i, mask=partial)
-    tl.store(part_sum_ptr + part, l_i, mask=partial)
-    tl.store(part_acc_ptr + part[:, None] * DIM + dims[None, :], acc, mask=partial[:, None] & dim_ok[None, :])
+        # Rows with splits beyond this program leave their fold so far in slot 0.
+        partial = valid & ~complete
+        tl.store(part_max_ptr + part, m_f, mask=partial)
+        tl.store(part_sum_ptr + part, l_f, mask=partial)
+        tl.store(part_acc_ptr + part[:, None] * DIM + dims[None, :], acc_f, mask=partial[:, None] & dim_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_seqs", "split_size", "num_splits"])
+@triton.jit(do_not_specialize=["num_seqs", "serve", "fast_split", "canonical_split", "canonical_group", "num_slots"])
 def _combine_kernel(
     out_ptr,
     part_acc_ptr,
@@ -276,9 +347,13 @@ def _combine_kernel(
     part_sum_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    canonical_ptr,
     num_seqs,
-    split_size,
-    num_splits,
+    serve,
+    fast_split,
+    canonical_split,
+    canonical_group,
+    num_slots,
     stride_ot,
     stride_oh,
     stride_od,
@@ -288,21 +363,28 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     DIM: tl.constexpr,
 ):
-    """Merge the split partials of the rows that span several splits, in increasing split order."""
+    """Continue the left fold of the rows that split 0's program left unfinished: its fold in
+    slot 0, then every later split's state, in increasing split order."""
     seq, done, token, head, valid, pos, last_pos = _block_rows(
         query_start_loc_ptr, seq_lens_ptr, num_seqs, GROUP, BLOCK_M, BLOCK_Q
     )
-    if done | (last_pos < split_size):
+    if done:
+        return
+    served, split_size, group = _sequence_schedule(
+        canonical_ptr, seq, serve, fast_split, canonical_split, canonical_group
+    )
+    block_splits = last_pos // split_size + 1
+    if (~served) | (block_splits <= group):
         return
     dims = tl.arange(0, DIM)
     dim_ok = dims < HEAD_DIM
     row_splits = pos // split_size + 1
-    rows = valid & (row_splits > 1)
-    part = (token * tl.num_programs(1) * GROUP + head) * num_splits
+    rows = valid & (row_splits > group)
+    part = (token * tl.num_programs(1) * GROUP + head) * num_slots
     m_i = tl.load(part_max_ptr + part, mask=rows, other=0.0)
     l_i = tl.load(part_sum_ptr + part, mask=rows, other=1.0)
     acc = tl.load(part_acc_ptr + part[:, None] * DIM + dims[None, :], mask=rows[:, None] & dim_ok[None, :], other=0.0)
-    for split in range(1, last_pos // split_size + 1):
+    for split in range(group, block_splits):
         live = rows & (split < row_splits)
         m_s = tl.load(part_max_ptr + part + split, mask=live, other=float("-inf"))
         l_s = tl.load(part_sum_ptr + part + split, mask=live, other=0.0)
@@ -311,12 +393,7 @@ def _combine_kernel(
             mask=live[:, None] & dim_ok[None, :],
             other=0.0,
         )
-        m_new = tl.maximum(m_i, m_s)
-        alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
-        beta = tl.exp2(m_s - m_new)
-        l_i = l_i * alpha + l_s * beta
-        acc = acc * alpha[:, None] + acc_s * beta[:, None]
-        m_i = m_new
+        m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
     tl.store(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
         (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
@@ -345,15 +422,38 @@ def _unused_partials(device: torch.device) -> torch.Tensor:
     return torch.empty(1, dtype=torch.float32, device=device)
 
 
-def _canonical_schedule(group: int) -> _Schedule:
-    """The fixed canonical launch: a function of the model (GQA group) only."""
+@functools.lru_cache(maxsize=None)
+def _uniform_flags(device: torch.device, canonical: bool, length: int) -> torch.Tensor:
+    """Per-sequence schedule flags of a batch that runs one schedule (lengths are powers of two)."""
+    return torch.full((length,), int(canonical), dtype=torch.int32, device=device)
+
+
+def _target_programs(device: torch.device) -> int:
+    return _PROGRAMS_PER_SM * _num_sms(device)
+
+
+def _query_blocks(num_tokens: int, num_seqs: int, max_query_len: int, block_q: int) -> int:
+    """Query blocks holding rows: what the grid's first axis offers before any split."""
+    return min(num_seqs * triton.cdiv(max_query_len, block_q), num_tokens // block_q + num_seqs)
+
+
+def _canonical_schedule(
+    group: int, num_tokens: int, num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, device: torch.device
+) -> _Schedule:
+    """The fixed canonical constants (a function of the model's GQA group only), and how many
+    of a row's splits one program folds: all of them once the batch alone fills the GPU."""
     cfg = CANONICAL_CONFIG
+    block_m = max(cfg["block_m"], triton.next_power_of_2(group))
+    programs = _query_blocks(num_tokens, num_seqs, max_query_len, block_m // group) * num_kv_heads
+    splits = triton.cdiv(max_seq_len, cfg["kv_split"])
+    spread = max(1, _target_programs(device) // programs)
     return _Schedule(
-        block_m=max(cfg["block_m"], triton.next_power_of_2(group)),
+        block_m=block_m,
         kv_tile=cfg["kv_tile"],
         split_size=cfg["kv_split"],
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        group=triton.cdiv(splits, spread),
     )
 
 
@@ -373,10 +473,8 @@ def _fast_schedule(
         block_m, kv_tile, num_warps = max(16, triton.next_power_of_2(group)), 128, 4
     else:
         block_m, kv_tile, num_warps = max(128, triton.next_power_of_2(group)), 64, 8
-    block_q = block_m // group
-    programs = min(num_seqs * triton.cdiv(max_query_len, block_q), num_tokens // block_q + num_seqs) * num_kv_heads
-    target = _FAST_PROGRAMS_PER_SM * _num_sms(device)
-    splits = max(1, min(triton.cdiv(target, programs), max_seq_len // _FAST_MIN_SPLIT_KEYS))
+    programs = _query_blocks(num_tokens, num_seqs, max_query_len, block_m // group) * num_kv_heads
+    splits = max(1, min(triton.cdiv(_target_programs(device), programs), max_seq_len // _FAST_MIN_SPLIT_KEYS))
     split_size = triton.cdiv(triton.cdiv(max_seq_len, splits), kv_tile) * kv_tile
     return _Schedule(block_m, kv_tile, split_size, num_warps, num_stages=3)
 
@@ -390,17 +488,20 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     *,
-    canonical: bool,
+    canonical: bool | torch.Tensor,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    schedules: tuple[bool, bool] | None = None,
 ) -> torch.Tensor:
     """Causal varlen paged attention of ``q`` ``[N, heads, head_dim]`` over the cache.
 
     Semantics of ``paged_attention_ref`` (fast) / ``paged_attention_canonical_ref``
-    (``canonical=True``, bit-stable per row). ``max_query_len`` / ``max_seq_len`` are host
-    copies of the batch maxima; pass them to keep the launch free of device syncs (the
-    canonical schedule needs only ``max_seq_len``). Returns ``out`` (allocated if None).
+    (canonical, bit-stable per row), chosen per sequence: ``canonical`` is one flag for the
+    batch, or an int32 ``[S]`` tensor of per-sequence flags. With per-sequence flags,
+    ``schedules`` = (any fast sequence, any canonical one) saves a launch; None means both may
+    be present. ``max_query_len`` / ``max_seq_len`` are host copies of the batch maxima; pass
+    them to keep the launch free of device syncs. Returns ``out`` (allocated if None).
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -412,23 +513,77 @@ def paged_attention(
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    if canonical:
-        sched = _canonical_schedule(group)
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if isinstance(canonical, torch.Tensor):
+        flags, (any_fast, any_canonical) = canonical, schedules or (True, True)
     else:
-        if max_query_len is None:
-            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-        sched = _fast_schedule(num_tokens, num_seqs, group, num_kv_heads, max_query_len, max_seq_len, q.device)
-    block_q = sched.block_m // group
-    num_splits = triton.cdiv(max_seq_len, sched.split_size)
-    dim = max(16, triton.next_power_of_2(head_dim))
-    if num_splits > 1:
-        part_acc = torch.empty((num_tokens, num_heads, num_splits, dim), dtype=torch.float32, device=q.device)
-        part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        flags = _uniform_flags(q.device, canonical, triton.next_power_of_2(num_seqs))
+        any_fast, any_canonical = not canonical, canonical
+    shape = (num_tokens, num_seqs, num_kv_heads, max_query_len, max_seq_len, q.device)
+    fast = _fast_schedule(num_tokens, num_seqs, group, *shape[2:]) if any_fast else None
+    canon = _canonical_schedule(group, *shape) if any_canonical else None
+    launches: list[tuple[_Schedule, int]]
+    if fast is not None and canon is not None and fast.shape == canon.shape:
+        launches = [(fast, _SERVE_FAST | _SERVE_CANONICAL)]
+    else:
+        launches = [(s, bit) for s, bit in ((fast, _SERVE_FAST), (canon, _SERVE_CANONICAL)) if s is not None]
+    # Partial slots per row: as many as the splits of a schedule whose programs leave partials.
+    slots = max((triton.cdiv(max_seq_len, s.split_size) for s in (fast, canon) if s is not None and _splits(s, max_seq_len)),
+                default=1)
+    if slots > 1:
+        part_acc = torch.empty((num_tokens, num_heads, slots, max(16, triton.next_power_of_2(head_dim))),
+                               dtype=torch.float32, device=q.device)
+        part_max = torch.empty((num_tokens, num_heads, slots), dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = _unused_partials(q.device)
+    for sched, serve in launches:
+        _launch(q, k_cache, v_cache, out, (part_acc, part_max, part_sum), block_tables, seq_lens, query_start_loc,
+                flags, scale, sched, serve, fast, canon, slots, max_seq_len, block_size, group, head_dim)
+    return out
+
+
+def _splits(sched: _Schedule, max_seq_len: int) -> bool:
+    """Whether rows of this schedule may span more splits than one program folds."""
+    return triton.cdiv(max_seq_len, sched.split_size) > sched.group
+
+
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    flags: torch.Tensor,
+    scale: float,
+    sched: _Schedule,
+    serve: int,
+    fast: _Schedule | None,
+    canon: _Schedule | None,
+    slots: int,
+    max_seq_len: int,
+    block_size: int,
+    group: int,
+    head_dim: int,
+) -> None:
+    """One attention launch over the sequences of the schedules in ``serve``, and its combine."""
+    num_tokens, num_seqs, num_kv_heads = q.shape[0], seq_lens.shape[0], k_cache.shape[2]
+    served = [s for s, bit in ((fast, _SERVE_FAST), (canon, _SERVE_CANONICAL)) if s is not None and serve & bit]
+    programs = max(triton.cdiv(triton.cdiv(max_seq_len, s.split_size), s.group) for s in served)
+    splits = (
+        fast.split_size if fast is not None else 1,
+        canon.split_size if canon is not None else 1,
+        canon.group if canon is not None else 1,
+    )
+    block_q = sched.block_m // group
+    dim = max(16, triton.next_power_of_2(head_dim))
     grid = (num_tokens // block_q + 2 * num_seqs, num_kv_heads)
-    _attention_kernel[(*grid, num_splits)](
+    part_acc, part_max, part_sum = partials
+    _attention_kernel[(*grid, programs)](
         q,
         k_cache,
         v_cache,
@@ -439,10 +594,12 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        flags,
         scale * 1.4426950408889634,
         num_seqs,
-        sched.split_size,
-        num_splits,
+        serve,
+        *splits,
+        slots,
         *q.stride(),
         *out.stride(),
         *k_cache.stride(),
@@ -459,7 +616,7 @@ def paged_attention(
         num_warps=sched.num_warps,
         num_stages=sched.num_stages,
     )
-    if num_splits > 1:
+    if any(_splits(s, max_seq_len) for s in served):
         _combine_kernel[grid](
             out,
             part_acc,
@@ -467,9 +624,11 @@ def paged_attention(
             part_sum,
             seq_lens,
             query_start_loc,
+            flags,
             num_seqs,
-            sched.split_size,
-            num_splits,
+            serve,
+            *splits,
+            slots,
             *out.stride(),
             GROUP=group,
             BLOCK_M=sched.block_m,
@@ -478,4 +637,3 @@ def paged_attention(
             DIM=dim,
             num_warps=_COMBINE_NUM_WARPS,
         )
-    return out

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sid.model.config import HeadLayout, ModelConfig
 from sid.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from sid.runtime.gemm import Gemms, Linear
 
 
 class PagedAttention(Protocol):
@@ -99,12 +99,12 @@ def _sum_ranks(tp: TensorParallel | None, x: torch.Tensor, canonical: bool) -> t
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Shard, layer: int, tp: TensorParallel | None) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard, layer: int, tp: TensorParallel | None, gemms: Gemms) -> None:
         super().__init__()
         self.cfg, self.shard, self.tp = cfg, shard, tp
         self.layer = layer
-        self.qkv_proj = nn.Linear(cfg.hidden_size, shard.q_size + 2 * shard.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(shard.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, shard.q_size + 2 * shard.kv_size, cfg.qkv_bias, gemms)
+        self.o_proj = Linear(shard.q_size, cfg.hidden_size, False, gemms)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -126,23 +126,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Shard, tp: TensorParallel | None) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard, tp: TensorParallel | None, gemms: Gemms) -> None:
         super().__init__()
         self.tp = tp
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * shard.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(shard.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * shard.intermediate_size, False, gemms)
+        self.down_proj = Linear(shard.intermediate_size, cfg.hidden_size, False, gemms)
 
     def forward(self, x: torch.Tensor, canonical: bool) -> torch.Tensor:
         return _sum_ranks(self.tp, self.down_proj(silu_and_mul(self.gate_up_proj(x))), canonical)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Shard, layer: int, tp: TensorParallel | None) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard, layer: int, tp: TensorParallel | None, gemms: Gemms) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, shard, layer, tp)
+        self.self_attn = Attention(cfg, shard, layer, tp, gemms)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, shard, tp)
+        self.mlp = MLP(cfg, shard, tp, gemms)
 
     def forward(
         self,
@@ -163,18 +163,22 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Decoder-only transformer with an LM head (tied or untied); one rank's shard under ``tp``."""
+    """Decoder-only transformer with an LM head (tied or untied); one rank's shard under ``tp``.
+
+    ``gemms`` holds the GEMM paths of every projection and the LM head: the runner switches
+    it to the row-invariant paths for passes that carry deterministic rows."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.shard = Shard.of(cfg) if tp is None else Shard.of(cfg, tp.rank, tp.size)
+        self.gemms = Gemms()
         vocab_rows = self.shard.vocab_rows
         self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, i, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, i, tp, self.gemms) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab_rows, False, self.gemms)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
         """Hidden states ``[N, hidden]`` before the final norm."""
@@ -192,10 +196,15 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce_sum(x, canonical)
 
+    def gemm_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) of every GEMM the model runs, the LM head included."""
+        layers = [(m.weight, m.bias) for m in self.modules() if isinstance(m, Linear)]
+        return layers if self.lm_head is not None else [*layers, (self.embed_tokens.weight, None)]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head, in float32 logits; under TP every rank gets the full vocabulary."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(self.norm(hidden), weight).float()
+        logits = self.gemms.linear(self.norm(hidden), weight).float()
         if self.tp is None:
             return logits
         return self.tp.all_gather_cat(logits, -1)[:, : self.cfg.vocab_size]

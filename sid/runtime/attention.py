@@ -2,7 +2,8 @@
 
 A backend stores a layer's new K/V into the cache and then attends *from the cache*, for
 every row of a mixed step (prefill chunks and decodes together). Each backend offers the
-fast schedule and the canonical one (DESIGN 3.1); the caller picks per forward pass.
+fast schedule and the canonical one (DESIGN 3.1), chosen per sequence: a pass may hold a
+deterministic request's rows, attending canonically, beside normal rows (DESIGN 1b).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from sid.kernels.attention_ref import (
     store_kv_ref,
 )
 from sid.model.decoder import CausalLM
+from sid.runtime.faults import FAULTS, batch_noise
 
 
 @dataclass
@@ -31,7 +33,15 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int32
     max_query_len: int
     max_seq_len: int
-    canonical: bool = False
+    canonical: bool | torch.Tensor = False
+    """The canonical schedule for every sequence (True), for none (False), or per sequence:
+    an int32 ``[S]`` tensor, 1 = canonical (then ``schedules`` says which occur)."""
+    schedules: tuple[bool, bool] = (True, True)
+    """(any fast sequence, any canonical one), when ``canonical`` is a tensor."""
+
+    @property
+    def any_canonical(self) -> bool:
+        return self.canonical if isinstance(self.canonical, bool) else self.schedules[1]
 
 
 class AttentionBackend(ABC):
@@ -65,11 +75,33 @@ class TorchAttentionBackend(AttentionBackend):
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        fn = paged_attention_canonical_ref if meta.canonical else paged_attention_ref
-        return fn(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+        args = (meta.block_tables, meta.seq_lens, meta.query_start_loc)
+        if isinstance(meta.canonical, bool):
+            fn = paged_attention_canonical_ref if meta.canonical else paged_attention_ref
+            return fn(q, k_cache, v_cache, *args, scale)
+        out = torch.empty_like(q)
+        flags = meta.canonical.tolist()
+        for canonical, fn in ((0, paged_attention_ref), (1, paged_attention_canonical_ref)):
+            seqs = [s for s, flag in enumerate(flags) if flag == canonical]
+            if seqs:
+                rows, sub = _sequences(seqs, *args)
+                out[rows] = fn(q[rows], k_cache, v_cache, *sub, scale)
+        return out
 
     def canonical_config(self) -> dict[str, object]:
         return {"backend": self.name, "kv_tile": CANONICAL_KV_TILE}
+
+
+def _sequences(
+    seqs: list[int], block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The query rows of sequences ``seqs`` and the metadata of a batch of those alone."""
+    starts = query_start_loc.tolist()
+    rows = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in seqs]).to(query_start_loc.device)
+    index = torch.tensor(seqs, device=seq_lens.device)
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1])[index]
+    qsl = torch.cat([q_lens.new_zeros(1), q_lens.cumsum(0)]).to(query_start_loc.dtype)
+    return rows, (block_tables[index], seq_lens[index], qsl)
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -134,12 +166,20 @@ class PagedKVCache:
 
     @property
     def canonical(self) -> bool:
-        """Whether the pass being run is canonical (the model's cross-rank sums read it)."""
+        """Whether the pass holds canonical rows: the model's cross-rank sums then keep a fixed order."""
         assert self.meta is not None, "attention metadata must be set before the forward pass"
-        return self.meta.canonical
+        return self.meta.any_canonical
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The model's attention hook: cache first, then attention from the cache."""
-        assert self.meta is not None, "attention metadata must be set before the forward pass"
-        self.backend.store_kv(k, v, self.k[layer], self.v[layer], self.meta)
-        return self.backend.attend(q, self.k[layer], self.v[layer], self.meta, self.scale)
+        meta = self.meta
+        assert meta is not None, "attention metadata must be set before the forward pass"
+        self.backend.store_kv(k, v, self.k[layer], self.v[layer], meta)
+        out = self.backend.attend(q, self.k[layer], self.v[layer], meta, self.scale)
+        if FAULTS.fast_attention_noise and meta.canonical is not True:
+            fast = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
+            if isinstance(meta.canonical, torch.Tensor):
+                q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+                fast = torch.repeat_interleave(meta.canonical == 0, q_lens, output_size=out.shape[0])
+            out = out + batch_noise(out, FAULTS.fast_attention_noise) * fast[:, None, None]
+        return out

@@ -7,7 +7,10 @@ graph is launched for ``max_seq_len`` keys (the model's limit), so its schedule 
 capture; rows with shorter contexts skip the empty tiles. Sampling stays outside the graph.
 
 * A decode graph of bucket ``b`` runs ``b`` one-row sequences; rows past the step's are
-  padding that writes nothing.
+  padding that writes nothing. Each sequence attends with the schedule its flag in
+  ``canonical_seqs`` says, so one graph serves fast steps and steps where deterministic rows
+  ride (DESIGN 1b); when those need other GEMM paths than the fast lane's, each bucket has a
+  second graph with the row-invariant GEMMs (``GraphShape.invariant``).
 * The canonical graph (DESIGN 3.1) runs exactly ``canonical_rows`` rows, as the eager
   canonical pass of that size does (larger canonical passes, mostly prompts, run eagerly), over ``canonical_rows + 1`` sequence slots (a pass has at most one
   sequence per row plus the padding sequence); unused slots have no query rows, so the
@@ -28,11 +31,6 @@ from sid.runtime.attention import AttentionMetadata, PagedKVCache
 from sid.runtime.transfer import upload
 
 
-def canonical_key(rows: int) -> int:
-    """Key of the canonical graph of ``rows`` rows (decode buckets are keyed by their batch size, >= 1)."""
-    return -rows
-
-
 def decode_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 16 below ``max_batch``, and ``max_batch`` itself."""
     return [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
@@ -40,16 +38,21 @@ def decode_buckets(max_batch: int) -> list[int]:
 
 @dataclass(frozen=True)
 class GraphShape:
-    """A graph's query rows and sequence slots, and whether it is the canonical pass."""
+    """A graph: its query rows and sequence slots, whether it is a canonical pass, and whether
+    its GEMMs take their row-invariant paths. Graphs are keyed by their shape."""
 
     rows: int
     seqs: int
     canonical: bool
+    invariant: bool = False
 
 
 class CUDAGraphs:
     """The captured graphs over one set of static input buffers: ``load`` (or
-    ``load_placeholder``) fills the buffers for a graph's shape, ``replay`` runs it."""
+    ``load_placeholder``) fills the buffers for a graph's shape, ``replay`` runs it.
+    ``invariant_decode``: decode steps that carry deterministic rows need graphs of their own
+    (the row-invariant GEMM paths differ from the fast ones); ``canonical_invariant``: the
+    canonical graphs take the row-invariant paths."""
 
     def __init__(
         self,
@@ -60,27 +63,34 @@ class CUDAGraphs:
         canonical_sizes: Sequence[int] = (),
         max_blocks: int,
         max_seq_len: int,
+        invariant_decode: bool = False,
+        canonical_invariant: bool = False,
     ) -> None:
         self.model, self.kv_cache = model, kv_cache
         self.max_seq_len = max_seq_len
         self.buckets = decode_buckets(max_batch)
-        self.shapes = {b: GraphShape(b, b, False) for b in self.buckets}
-        for size in canonical_sizes:
-            self.shapes[canonical_key(size)] = GraphShape(size, size + 1, True)
+        self.invariant_decode, self.canonical_invariant = invariant_decode, canonical_invariant
+        variants = (False, True) if invariant_decode else (False,)
+        self.shapes = [GraphShape(b, b, False, inv) for b in self.buckets for inv in variants]
+        self.shapes += [GraphShape(size, size + 1, True, canonical_invariant) for size in canonical_sizes]
         device = kv_cache.k[0].device
-        rows = max(s.rows for s in self.shapes.values())
-        seqs = max(s.seqs for s in self.shapes.values())
+        rows = max(s.rows for s in self.shapes)
+        seqs = max(s.seqs for s in self.shapes)
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.slots = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros((seqs, max_blocks), dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(seqs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.canonical_seqs = torch.zeros(seqs, dtype=torch.int32, device=device)
+        self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[GraphShape, torch.Tensor] = {}
+
+    def canonical_shape(self, rows: int) -> GraphShape:
+        return GraphShape(rows, rows + 1, True, self.canonical_invariant)
 
     def has_canonical(self, rows: int) -> bool:
-        return canonical_key(rows) in self.shapes
+        return self.canonical_shape(rows) in self.shapes
 
     def _meta(self, shape: GraphShape) -> AttentionMetadata:
         return AttentionMetadata(
@@ -90,40 +100,40 @@ class CUDAGraphs:
             query_start_loc=self.query_start_loc[: shape.seqs + 1],
             max_query_len=shape.rows if shape.canonical else 1,
             max_seq_len=self.max_seq_len,
-            canonical=shape.canonical,
+            canonical=True if shape.canonical else self.canonical_seqs[: shape.seqs],
         )
 
-    def forward(self, key: int) -> torch.Tensor:
-        """The captured computation of graph ``key``, eagerly: logits of its static rows."""
-        shape = self.shapes[key]
+    def forward(self, shape: GraphShape) -> torch.Tensor:
+        """The captured computation of graph ``shape``, eagerly: logits of its static rows."""
         self.kv_cache.meta = self._meta(shape)
+        self.model.gemms.use_invariant = shape.invariant
         hidden = self.model(self.input_ids[: shape.rows], self.positions[: shape.rows], self.kv_cache)
         return self.model.compute_logits(hidden)
 
-    def load_placeholder(self, key: int) -> None:
-        """A valid pass of graph ``key``'s shape, writing nothing: one padding row per
-        sequence slot, and for the canonical graph an empty last slot (it has one slot more
-        than rows). Capture runs on it, so it must never index past the shape's rows."""
-        shape = self.shapes[key]
+    def load_placeholder(self, shape: GraphShape) -> None:
+        """A valid pass of graph ``shape``, writing nothing: one padding row per sequence slot,
+        and for the canonical graph an empty last slot (it has one slot more than rows).
+        Capture runs on it, so it must never index past the shape's rows."""
         self.input_ids.zero_()
         self.positions.zero_()
         self.slots.fill_(-1)
         self.block_tables.zero_()
         self.seq_lens.fill_(1)
+        self.canonical_seqs.zero_()
         self.query_start_loc[: shape.seqs + 1].copy_(torch.arange(shape.seqs + 1).clamp_(max=shape.rows))
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Record every graph (largest first, so smaller ones reuse the pool's blocks)."""
         pool = torch.cuda.graph_pool_handle()
-        for key in sorted(self.shapes, key=lambda k: self.shapes[k].rows, reverse=True):
-            self.load_placeholder(key)
-            self.forward(key)  # warm-up: compiles kernels, sizes workspaces
+        for shape in sorted(self.shapes, key=lambda s: s.rows, reverse=True):
+            self.load_placeholder(shape)
+            self.forward(shape)  # warm-up: compiles kernels, sizes workspaces
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[key] = self.forward(key)
-            self.graphs[key] = graph
+                self.logits[shape] = self.forward(shape)
+            self.graphs[shape] = graph
         torch.cuda.synchronize()
 
     def bucket(self, n: int) -> int | None:
@@ -139,17 +149,23 @@ class CUDAGraphs:
         query_start_loc: list[int] | None = None,
         *,
         canonical: bool = False,
-    ) -> int:
-        """Copy a pass into the static buffers, padded to its graph; returns the graph's key.
+        invariant: bool = False,
+        canonical_seqs: list[int] | None = None,
+    ) -> GraphShape:
+        """Copy a pass into the static buffers, padded to its graph; returns the graph's shape.
 
-        A decode step gives one row per sequence (``query_start_loc`` None); a canonical pass
+        A decode step gives one row per sequence (``query_start_loc`` None), with the
+        attention flags of its sequences when deterministic rows ride in it; a canonical pass
         gives exactly its graph's rows, padding rows included.
         """
         n, s = len(input_ids), len(seq_lens)
-        key = canonical_key(n) if canonical else self.bucket(n)
-        assert key is not None
-        shape = self.shapes[key]
-        assert n == shape.rows or not canonical
+        if canonical:
+            shape = self.canonical_shape(n)
+        else:
+            bucket = self.bucket(n)
+            assert bucket is not None
+            shape = GraphShape(bucket, bucket, False, invariant and self.invariant_decode)
+        assert shape in self.shapes
         qsl = list(range(n + 1)) if query_start_loc is None else query_start_loc
         rows_pad, seqs_pad = shape.rows - n, shape.seqs - s
         # Padding: rows write nothing; decode padding rows are one-key sequences, canonical
@@ -165,15 +181,19 @@ class CUDAGraphs:
             [[*input_ids, *[0] * rows_pad], [*positions, *[0] * rows_pad], np.concatenate([slots, np.full(rows_pad, -1)])],
             torch.int64,
         )
-        lens, starts, table = upload(device, [[*seq_lens, *[1] * seqs_pad], [*qsl, *pad_qsl], padded], torch.int32)
+        flags = [*(canonical_seqs or [0] * s), *[0] * (shape.seqs - len(canonical_seqs or [0] * s))]
+        lens, starts, table, canonical_flags = upload(
+            device, [[*seq_lens, *[1] * seqs_pad], [*qsl, *pad_qsl], padded, flags], torch.int32
+        )
         self.input_ids[: shape.rows].copy_(ids)
         self.positions[: shape.rows].copy_(pos)
         self.slots[: shape.rows].copy_(slot)
         self.seq_lens[: shape.seqs].copy_(lens)
         self.query_start_loc[: shape.seqs + 1].copy_(starts)
         self.block_tables[: shape.seqs, :width].copy_(table.view(shape.seqs, width))
-        return key
+        self.canonical_seqs[: shape.seqs].copy_(canonical_flags)
+        return shape
 
-    def replay(self, key: int) -> torch.Tensor:
-        self.graphs[key].replay()
-        return self.logits[key]
+    def replay(self, shape: GraphShape) -> torch.Tensor:
+        self.graphs[shape].replay()
+        return self.logits[shape]

@@ -28,8 +28,11 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 """How long a model collective waits for a peer before it fails (a hung worker)."""
 _IDLE_TIMEOUT = timedelta(days=365)
 
-STEP, KV_CACHE, STOP = 1, 2, 3
-"""Control message kinds: run a forward pass, (re)allocate the KV cache, exit."""
+STEP, KV_CACHE, STOP, GEMMS = 1, 2, 3, 4
+"""Control message kinds: run a forward pass, (re)allocate the KV cache, exit, take the
+proven GEMM paths (from the store)."""
+_ALL_CANONICAL, _PER_SEQUENCE, _INVARIANT = 1, 2, 4
+"""Bits of a step header's flags: every sequence canonical, per-sequence flags follow, row-invariant GEMMs."""
 _HEADER = 6
 _FIRST = 4096
 """Int64s in a message's first broadcast: a 32 KiB copy costs less than a second round trip."""
@@ -104,26 +107,32 @@ class ControlChannel:
         width = step.block_tables.shape[1]
         tables = step.block_tables.ravel().tolist()
         n_logits = -1 if step.logit_rows is None else len(step.logit_rows)
-        header = [STEP, len(step.input_ids), len(step.seq_lens), width, n_logits, int(step.canonical)]
-        layout = (step.slots, tables, step.seq_lens, step.query_start_loc, step.logit_rows or ())
+        flags = (
+            _ALL_CANONICAL * step.canonical
+            | _PER_SEQUENCE * (step.canonical_seqs is not None)
+            | _INVARIANT * step.invariant
+        )
+        header = [STEP, len(step.input_ids), len(step.seq_lens), width, n_logits, flags]
+        layout = (step.slots, tables, step.seq_lens, step.query_start_loc, step.logit_rows or (), step.canonical_seqs or ())
         self._send(header, chain(step.input_ids, step.positions, *layout))
 
     def recv(self) -> tuple[int, int | StepInputs]:
-        """``(STEP, plan)``, ``(KV_CACHE, num_blocks)`` or ``(STOP, 0)``."""
+        """``(STEP, plan)``, ``(KV_CACHE, num_blocks)``, ``(GEMMS, 0)`` or ``(STOP, 0)``."""
         first = torch.empty(_FIRST, dtype=torch.int64)
         self._broadcast(first)
-        kind, n, seqs, width, n_logits, canonical = first[:_HEADER].tolist()
+        kind, n, seqs, width, n_logits, flags = first[:_HEADER].tolist()
         if kind != STEP:
             return kind, n
         cuts = [n, 2 * n, 3 * n, 3 * n + seqs * width, 3 * n + seqs * (width + 1), 3 * n + seqs * (width + 2) + 1]
-        size = _HEADER + cuts[-1] + max(n_logits, 0)
+        cuts.append(cuts[-1] + max(n_logits, 0))
+        size = _HEADER + cuts[-1] + (seqs if flags & _PER_SEQUENCE else 0)
         message = first
         if size > _FIRST:
             rest = torch.empty(size - _FIRST, dtype=torch.int64)
             self._broadcast(rest)
             message = torch.cat([first, rest])
         values = message[_HEADER:size].tolist()
-        ids, positions, slots, tables, seq_lens, qsl = (values[a:b] for a, b in zip([0, *cuts], cuts))
+        ids, positions, slots, tables, seq_lens, qsl, logit_rows = (values[a:b] for a, b in zip([0, *cuts], cuts))
         return STEP, StepInputs(
             input_ids=ids,
             positions=positions,
@@ -131,6 +140,8 @@ class ControlChannel:
             block_tables=np.array(tables, dtype=np.int32).reshape(seqs, width),
             seq_lens=seq_lens,
             query_start_loc=qsl,
-            canonical=bool(canonical),
-            logit_rows=None if n_logits < 0 else values[cuts[-1] :],
+            canonical=bool(flags & _ALL_CANONICAL),
+            logit_rows=None if n_logits < 0 else logit_rows,
+            canonical_seqs=values[cuts[-1] :] if flags & _PER_SEQUENCE else None,
+            invariant=bool(flags & _INVARIANT),
         )

@@ -7,6 +7,11 @@ runs the final norm, the LM head and sampling on fixed-size sets of rows, and at
 the canonical schedule, so each row's result is a function of its own request and position
 alone.
 
+Where the GEMMs keep a row's bits at every row count (``ride``, DESIGN 1b), a fast pass may
+carry deterministic requests' rows: the pass runs its GEMMs on their row-invariant paths, is
+padded to a size the start-up proof covered (as are its LM head and sampler rows), and those
+rows attend with the canonical schedule while the others keep the fast one.
+
 ``launch`` queues a pass and its sampling without waiting for the GPU; ``collect`` waits for
 the sampled tokens, copied to pinned host memory, and hands them out. Between the two the
 engine can plan and launch the next step (overlapped scheduling).
@@ -67,8 +72,13 @@ class StepInputs:
     seq_lens: list[int]
     query_start_loc: list[int]
     canonical: bool
+    """Every sequence attends with the canonical schedule (a canonical pass)."""
     logit_rows: list[int] | None
     """Rows whose logits are computed, in this order; None = every row (a small canonical pass)."""
+    canonical_seqs: list[int] | None = None
+    """Per sequence, 1 = canonical attention (a ride pass: deterministic rows among fast ones)."""
+    invariant: bool = False
+    """The GEMMs take their row-invariant paths."""
 
 
 @dataclass
@@ -127,8 +137,9 @@ class PassRows:
     pad: int = 0
     logit_rows: list[int] | None = None
     """Rows whose logits are computed, in this order (sampled rows last); None = every row."""
-    logit_pad: int = 0  # trailing logit rows that stand in for padding (canonical passes)
+    logit_pad: int = 0  # trailing logit rows that stand in for padding (canonical and ride passes)
     prompt_index: list[int] = field(default_factory=list)  # each prompt row's place among the logit rows
+    canonical_seqs: list[int] | None = None  # a ride pass's per-sequence attention flags (StepInputs)
 
 
 @dataclass
@@ -202,6 +213,8 @@ class ModelRunner:
         self.graphs: CUDAGraphs | None = None
         self.workers = workers
         """Rank 0 of a tensor-parallel group: each pass is sent to these workers first."""
+        self.ride = False
+        """Deterministic requests' rows ride in fast passes (the engine sets it once the GEMMs are proven)."""
 
     def _tensor(self, data: Sequence[int] | Sequence[float] | Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -284,18 +297,22 @@ class ModelRunner:
         """Run one forward pass over ``chunks`` and wait for what each chunk produced."""
         return self.collect(self.launch(chunks, block_table, canonical=canonical, keep_logits=keep_logits))
 
-    def _rows(self, chunks: Sequence[ScheduledChunk], canonical: bool) -> PassRows:
+    def _rows(self, chunks: Sequence[ScheduledChunk], canonical: bool, ride: bool, probe: bool = False) -> PassRows:
         """What each row of the pass is: its token and position, and which rows give logits.
 
         A canonical pass of ``M_canon`` rows, or of a size a graph replays, computes every
         row's logits. A larger one (long prompts) leaves out rows that choose no token (prompt
         positions before the last) and runs the LM head on the rest, padded to a pass size of
         its own: it gives those rows the same bits (rows are independent at every size), and
-        a pass inside a long prompt skips the LM head and sampling altogether.
+        a pass inside a long prompt skips the LM head and sampling altogether. A ride pass
+        (``ride``) is padded to a proven size unless a decode graph pads it to its bucket (a
+        proven size too), and its LM head and sampler rows to one as well; with ``probe`` (the
+        self-test) every row of a deterministic chunk gives logits.
         """
         rows = PassRows()
         num_rows = sum(c.num_tokens for c in chunks)
-        size = self.canonical.fit(num_rows) if canonical else num_rows
+        graphed = ride and self._graph_runs(False, False, num_rows, len(chunks), ride)
+        size = self.canonical.fit(num_rows) if canonical or (ride and not graphed) else num_rows
         every_row = canonical and (size == self.canonical.base or self.graphed(size))
         for i, chunk in enumerate(chunks):
             r = chunk.request
@@ -311,6 +328,8 @@ class ModelRunner:
             if canonical:
                 skip = 0 if every_row else min(chunk.num_tokens, max(0, first_choice - chunk.start))
                 rows.sample_rows.extend((row0 + k, i) for k in range(skip, chunk.num_tokens))
+            elif ride and probe and r.deterministic:
+                rows.sample_rows.extend((row0 + k, i) for k in range(chunk.num_tokens))
             elif chunk.samples and r.num_output_tokens < r.max_tokens:
                 rows.sample_rows.append((row0 + chunk.num_tokens - 1, i))
             last = rows.sample_rows[-1] if rows.sample_rows else None
@@ -322,6 +341,10 @@ class ModelRunner:
         if not canonical:
             rows.logit_rows = prompt + [row for row, _ in rows.sample_rows]
             rows.prompt_index = list(range(len(prompt)))
+            if ride:
+                rows.canonical_seqs = [int(c.request.deterministic) for c in chunks] + [0] * bool(rows.pad)
+                if rows.logit_rows:
+                    rows.logit_rows, rows.logit_pad = _pad_rows(rows.logit_rows, self.canonical.fit(len(rows.logit_rows)))
         elif every_row:
             rows.logit_pad = rows.pad
             rows.prompt_index = prompt
@@ -348,12 +371,14 @@ class ModelRunner:
         ``block_table`` holds each chunk's request's block ids (``KVCacheManager.block_table``).
         Input tokens the host holds as placeholders are taken from ``feed`` on the device.
         """
-        rows = self._rows(chunks, canonical)
+        ride = self.ride and not canonical and any(c.request.deterministic for c in chunks)
+        rows = self._rows(chunks, canonical, ride, probe=keep_logits)
         input_ids, positions, prompt_rows, sample_rows, index = (
             rows.input_ids, rows.positions, rows.prompt_rows, rows.sample_rows, rows.logit_rows
         )
         fed = TokenFeed.check(input_ids, feed)
         layout = self._layout(chunks, block_table, rows)
+        invariant = ride or (canonical and self.model.gemms.invariant is not None)
         launched = LaunchedPass(list(chunks), canonical, sample_rows, rows.token_rows, positions, [i for _, _, i in prompt_rows])
         sampled_rows = [(chunks[i].request, positions[row]) for row, i in sample_rows] + [(None, 0)] * rows.logit_pad
         # Uploaded before the pass is launched: copies issued after it would wait for the GPU.
@@ -361,20 +386,25 @@ class ModelRunner:
         targets, prompt_index_t = (
             upload(self.device, [[t for _, t, _ in prompt_rows], rows.prompt_index], torch.int64) if prompt_rows else (None, None)
         )
-        if self._graph_runs(canonical, prompt_rows, len(input_ids), len(chunks)):
+        if self._graph_runs(canonical, bool(prompt_rows), len(input_ids), len(chunks), ride):
             assert not canonical or index is None  # the canonical graph computes every row's logits
             # A decode graph computes every row's logits; keep the sampled rows (usually all).
             gather = None if index is None or index == list(range(len(index))) else upload(self.device, [index], torch.int64)[0]
-            key = self.graphs.load(input_ids, positions, *layout, canonical=canonical)  # type: ignore[union-attr]
+            graphs = self.graphs
+            assert graphs is not None
+            key = graphs.load(
+                input_ids, positions, *layout, canonical=canonical, invariant=invariant, canonical_seqs=rows.canonical_seqs
+            )
             if fed is not None:
-                fed.resolve(self.graphs.input_ids[: len(input_ids)])  # type: ignore[union-attr]
-            logits = self.graphs.replay(key)  # type: ignore[union-attr]
+                fed.resolve(graphs.input_ids[: len(input_ids)])
+            logits = graphs.replay(key)
             if gather is not None:
                 logits = logits[gather]
             elif index is not None:
                 logits = logits[: len(index)]
         else:
-            logits = self.forward(StepInputs(input_ids, positions, *layout, canonical, index), fed)
+            step = StepInputs(input_ids, positions, *layout, canonical, index, rows.canonical_seqs, invariant)
+            logits = self.forward(step, fed)
         if logits is None:
             return launched
         if canonical:
@@ -383,15 +413,16 @@ class ModelRunner:
             if FAULTS.broken_pass_size == len(input_ids):
                 logits = logits + 1e-3
             sample_logits = logits
-            if keep_logits:  # a chunk's sampled rows are consecutive, in chunk order
-                counts = Counter(i for _, i in sample_rows)
-                first = 0
-                for i in range(len(chunks)):
-                    launched.logits.append(logits[first : first + counts[i]].clone())
-                    first += counts[i]
         else:
-            logits = self._fast_lane_faults(logits, len(input_ids))
+            if FAULTS.fast_lane_logit_noise:
+                logits = self._fast_lane_faults(logits, len(input_ids), chunks, rows)
             sample_logits = logits[len(prompt_rows) :]
+        if keep_logits:  # a chunk's sampled rows are consecutive, in chunk order
+            counts = Counter(i for _, i in sample_rows)
+            first = 0
+            for i in range(len(chunks)):
+                launched.logits.append(sample_logits[first : first + counts[i]].clone())
+                first += counts[i]
         if prompt_rows:
             num_top = max(chunks[i].request.params.prompt_logprobs or 0 for _, _, i in prompt_rows)
             launched.prompt_scored = compute_logprobs(logits[prompt_index_t], targets, num_top)
@@ -427,15 +458,16 @@ class ModelRunner:
         """Whether a CUDA graph replays canonical passes of this many rows."""
         return self.graphs is not None and self.graphs.has_canonical(canonical_size)
 
-    def _graph_runs(self, canonical: bool, prompt_rows: list[tuple[int, int, int]], num_rows: int, num_seqs: int) -> bool:
+    def _graph_runs(self, canonical: bool, prompt_rows: bool, num_rows: int, num_seqs: int, ride: bool) -> bool:
         """Whether a captured graph computes this pass: canonical passes of a captured size,
         and decode-only fast steps (one row per sequence, no prompt logprobs) up to the
-        largest bucket."""
+        largest bucket, for riding rows a bucket of a proven size."""
         if canonical:
             return self.graphed(num_rows)
-        if self.graphs is None:
+        if self.graphs is None or prompt_rows or num_rows != num_seqs:
             return False
-        return not prompt_rows and num_rows == num_seqs and self.graphs.bucket(num_rows) is not None
+        bucket = self.graphs.bucket(num_rows)
+        return bucket is not None and (not ride or bucket in self.canonical.sizes)
 
     @torch.inference_mode()
     def forward(self, step: StepInputs, fed: TokenFeed | None = None) -> torch.Tensor | None:
@@ -450,8 +482,9 @@ class ModelRunner:
             )
             if fed is not None:
                 fed.resolve(ids)
-            seq_lens, query_start_loc, tables = upload(
-                self.device, [step.seq_lens, qsl, step.block_tables], torch.int32
+            flags = step.canonical_seqs
+            seq_lens, query_start_loc, tables, canonical_seqs = upload(
+                self.device, [step.seq_lens, qsl, step.block_tables, flags or ()], torch.int32
             )
             self.kv_cache.meta = AttentionMetadata(
                 slot_mapping=slots,
@@ -460,8 +493,10 @@ class ModelRunner:
                 query_start_loc=query_start_loc,
                 max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)),
                 max_seq_len=max(step.seq_lens),
-                canonical=step.canonical,
+                canonical=step.canonical if flags is None else canonical_seqs,
+                schedules=(True, True) if flags is None else (not all(flags), any(flags)),
             )
+            self.model.gemms.use_invariant = step.invariant
             hidden = self.model(ids, positions, self.kv_cache)
             if step.logit_rows is None:
                 return self.model.compute_logits(hidden)  # every row, padding included
@@ -469,9 +504,24 @@ class ModelRunner:
                 return None
             return self.model.compute_logits(hidden[logit_rows])
 
-    def _fast_lane_faults(self, logits: torch.Tensor, num_rows: int) -> torch.Tensor:
-        if not FAULTS.fast_lane_logit_noise:
-            return logits
+    def _fast_lane_faults(
+        self, logits: torch.Tensor, num_rows: int, chunks: Sequence[ScheduledChunk], rows: PassRows
+    ) -> torch.Tensor:
+        """Batch-dependent noise on the fast lane's logits; riding deterministic rows are canonical and keep theirs."""
         gen = torch.Generator(device=self.device).manual_seed(num_rows)
         noise = torch.randn(logits.shape, generator=gen, device=self.device)
+        if rows.canonical_seqs is not None:
+            owners = [chunks[i].request for _, _, i in rows.prompt_rows] + [chunks[i].request for _, i in rows.sample_rows]
+            keep = [r.deterministic for r in owners] + [True] * rows.logit_pad
+            noise[torch.tensor(keep, device=self.device)] = 0.0
         return logits + FAULTS.fast_lane_logit_noise * noise
+
+
+def _pad_rows(rows: list[int], size: int) -> tuple[list[int], int]:
+    """``rows`` padded to ``size`` entries, and how many were added: the next rows when
+    ``rows`` are the first ones (a decode graph then keeps a prefix of its logits), else the
+    last row again."""
+    pad = size - len(rows)
+    if rows == list(range(len(rows))):
+        return list(range(size)), pad
+    return rows + [rows[-1]] * pad, pad

@@ -33,8 +33,17 @@ from sid.engine.scheduler import PassSizes
 from sid.model.config import ModelConfig
 from sid.model.loader import build_model
 from sid.runtime.attention import PagedKVCache, get_backend
-from sid.runtime.blas import use_row_invariant_gemms
-from sid.runtime.distributed import COLLECTIVE_TIMEOUT, KV_CACHE, STEP, STOP, ControlChannel, TPGroup, init_groups
+from sid.runtime.distributed import (
+    COLLECTIVE_TIMEOUT,
+    GEMMS,
+    KV_CACHE,
+    STEP,
+    STOP,
+    ControlChannel,
+    TPGroup,
+    init_groups,
+)
+from sid.runtime.gemm import GemmPath, Shape, fast_path
 from sid.runtime.model_runner import ModelRunner, StepInputs
 
 _HOST = "127.0.0.1"
@@ -86,7 +95,6 @@ def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore) -> None:
     device = spec.device(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    use_row_invariant_gemms(device)
     store.set(f"{_KEY}/joined/{rank}", "1")
     control = ControlChannel(init_groups(store, rank, spec.size, device))
     path = Path(spec.model)
@@ -100,6 +108,7 @@ def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore) -> None:
         seed=spec.seed,
         tp=TPGroup(rank, spec.size),
     )
+    model.gemms.fast = fast_path(device)
     store.set(f"{_KEY}/ready/{rank}", "1")
     backend = get_backend(spec.attention_backend, device)
     runner: ModelRunner | None = None
@@ -107,7 +116,9 @@ def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore) -> None:
         kind, arg = control.recv()
         if kind == STOP:
             break
-        if kind == KV_CACHE:
+        if kind == GEMMS:
+            model.gemms.invariant = pickle.loads(store.get(f"{_KEY}/gemms"))
+        elif kind == KV_CACHE:
             assert isinstance(arg, int)
             runner = None  # free the old cache before allocating the new one
             cache = PagedKVCache.for_model(backend, model, arg, spec.block_size, spec.dtype, device)
@@ -156,6 +167,13 @@ class TPWorkers:
     def wait_ready(self) -> None:
         """Block until every worker has built its shard (rank 0 builds its own meanwhile)."""
         self._wait_for("ready")
+
+    def set_gemms(self, plan: dict[Shape, GemmPath]) -> None:
+        """Every worker takes rank 0's proven GEMM paths (its shard has rank 0's shapes)."""
+        self._raise_if_dead()
+        assert self.control is not None
+        self.store.set(f"{_KEY}/gemms", pickle.dumps(plan))
+        self.control.send(GEMMS)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Every worker (re)allocates its KV cache with ``num_blocks`` blocks of its KV heads."""

@@ -31,6 +31,7 @@ class TritonAttentionBackend(AttentionBackend):
             canonical=meta.canonical,
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
+            schedules=meta.schedules,
         )
 
     def canonical_config(self) -> dict[str, object]:

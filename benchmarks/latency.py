@@ -1,0 +1,104 @@
+"""Time per decode step, every request deterministic vs every request normal.
+
+A user who asks for determinism at a small batch sees its price as latency: the time of a
+decode step. For each batch size, ``batch`` requests of ``--context`` prompt tokens generate
+``--new-tokens`` tokens each through the engine's step API, once all normal and once all
+deterministic (the same prompts), in interleaved rounds; the figure is the median wall time
+of the steps that decode every request (no prompt rows), past the first few. Batch 1 also
+runs at ``--long-context`` tokens. The ratio is deterministic over normal.
+
+    python benchmarks/latency.py --model llama-3.1-8b --out results/     # H200, dummy weights
+    python benchmarks/latency.py --smoke                                 # CPU, tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import PRESETS, model_dir, table, write_json  # noqa: E402
+
+from sid import LLM, SamplingParams  # noqa: E402
+from sid.engine.engine import LLMEngine  # noqa: E402
+
+SKIP_STEPS = 4
+"""Decode steps left out at the start of a run (the last prompt chunks' results arrive then)."""
+
+
+def decode_step_ms(engine: LLMEngine, batch: int, context: int, new_tokens: int, deterministic: bool) -> dict[str, float]:
+    """Median and mean ms of the run's decode steps, and how many there were."""
+    rng = random.Random(batch * 7919 + context)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, deterministic=deterministic)
+    for i in range(batch):
+        engine.add_request(f"lat-{i}", {"prompt_token_ids": [rng.randrange(vocab) for _ in range(context)]}, params)
+    times = []
+    while engine.has_unfinished_requests():
+        running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
+        scheduled = engine.scheduler.stats.scheduled_tokens
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        if engine.scheduler.stats.scheduled_tokens - scheduled == running == batch:
+            times.append(elapsed * 1e3)
+    engine.reset_prefix_cache()
+    kept = times[SKIP_STEPS:] or times
+    return {"ms": statistics.median(kept), "mean_ms": statistics.fmean(kept), "steps": len(kept)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint path or preset (llama-3.1-8b, qwen3-0.6b)")
+    ap.add_argument("--batches", default="1,8,32,64,256")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--long-context", type=int, default=32768, help="batch 1 also runs at this context (0: not)")
+    ap.add_argument("--long-new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="CPU-sized: batches 1 and 4, 48-token prompts, the default model")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.smoke:
+        args.batches, args.context, args.new_tokens, args.long_context, args.long_new_tokens, args.rounds = "1,4", 48, 12, 96, 8, 1
+    batches = [int(b) for b in args.batches.split(",")]
+    cases = [(b, args.context, args.new_tokens) for b in batches]
+    if args.long_context:
+        cases.append((1, args.long_context, args.long_new_tokens))
+    longest = max(c + n for _, c, n in cases)
+    llm = LLM(
+        model_dir(args.model) if args.model else None,
+        load_format="dummy" if args.model in PRESETS else "auto",
+        max_model_len=longest + 16,
+        max_num_seqs=max(batches),
+    )
+    engine = llm.llm_engine
+    decode_step_ms(engine, min(batches), args.context, 8, True)  # warm-up
+    results: dict[tuple[int, int, bool], list[dict[str, float]]] = {}
+    for _ in range(args.rounds):
+        for batch, context, new_tokens in cases:
+            for deterministic in (False, True):
+                run = decode_step_ms(engine, batch, context, new_tokens, deterministic)
+                results.setdefault((batch, context, deterministic), []).append(run)
+    rows = []
+    for batch, context, _ in cases:
+        normal, det = (statistics.median(r["ms"] for r in results[(batch, context, d)]) for d in (False, True))
+        rows.append({"batch": batch, "context": context, "normal_ms": normal, "deterministic_ms": det,
+                     "ratio": det / normal, "runs": {str(d): results[(batch, context, d)] for d in (False, True)}})
+    stats = engine.get_stats()
+    meta = {"model": args.model or engine.config.model, "device": str(engine.device), "dtype": str(engine.dtype),
+            "determinism": stats["determinism"], "gemm_paths": stats["gemm_paths"], "fingerprint": engine.fingerprint,
+            "rounds": args.rounds}
+    path = write_json("latency", {**meta, "rows": rows}, args.out)
+    print(f"{meta['model']} on {meta['device']} ({meta['dtype']}), deterministic rows: {meta['determinism']}")
+    print(table(rows, ["batch", "context", "normal_ms", "deterministic_ms", "ratio"]))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""GEMM paths, and the start-up proof of which ones give a row the same bits at every row count.
+
+A deterministic request's rows can share a pass with normal rows only if every GEMM gives a
+row the same bits whatever the number of rows M (DESIGN 1b): then a row's result does not
+depend on how many rows share its pass. Which implementation does that is a fact of the
+machine and the weight shape, so the engine proves it at start-up on the model's own weights,
+per shape, at every pass size it will use (``prove``), and the fingerprint records the paths.
+
+* ``cublaslt``: torch's cuBLASLt, the fast lane's GEMMs on a GPU. On the H200 it kept a row's
+  bits at every M for 16 of 26 shapes measured (DESIGN 1b); below 128 rows the others change.
+* ``cublas``: torch's default cuBLAS path with no split-K workspace: all 26 shapes kept their
+  bits at every M from 1 to 4,096. Torch reads the workspace size from
+  ``CUBLAS_WORKSPACE_CONFIG``; this module sets it to ``:0:0`` before any GEMM runs, and gives
+  cuBLASLt a workspace of its own (``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0``), unless the
+  environment already says otherwise.
+* ``cpu``: torch's CPU GEMM. Float32 changes a row's bits from 4 rows on; bf16 kept them for
+  most shapes but not all (the trained test model's down projection changes at 33-333 rows).
+* ``tiled``: the rows in GEMMs of exactly ``tile`` rows each, the last one padded. At a fixed
+  row count a row's bits depend neither on its slot nor on its neighbours (DESIGN 1), so the
+  rows keep their bits at every pass size; the price is padding small passes to ``tile``.
+
+Per shape the first candidate that proves invariant is taken: a fixed order, never a timing,
+so a machine always makes the same choice and its fingerprint stays put. Passes that hold no
+deterministic row keep the fast path, so normal traffic runs exactly the GEMMs it ran before.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sid.runtime.faults import FAULTS, batch_noise
+
+for _name, _value in (
+    ("CUBLAS_WORKSPACE_CONFIG", ":0:0"),
+    ("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0"),
+    ("CUBLASLT_WORKSPACE_SIZE", "32768"),  # KiB: the 32 MiB torch gives Hopper by default
+):
+    os.environ.setdefault(_name, _value)
+
+CPU_TILE = 16
+"""Rows per GEMM call of the CPU's tiled path: small passes pad to it, large ones loop over it."""
+
+Shape = tuple[int, int, bool]
+"""A GEMM as the model runs it: (out features, in features, has a bias)."""
+
+
+@dataclass(frozen=True)
+class GemmPath:
+    library: str
+    """``cublaslt``, ``cublas`` or ``cpu``."""
+    tile: int = 0
+    """Rows per GEMM call, the last call padded; 0 = all rows in one call."""
+
+    def __str__(self) -> str:
+        return f"{self.library}:tile{self.tile}" if self.tile else self.library
+
+
+def fast_path(device: torch.device) -> GemmPath:
+    return GemmPath("cublaslt" if device.type == "cuda" else "cpu", FAULTS.fast_gemm_tile)
+
+
+def candidates(device: torch.device, tile: int) -> tuple[GemmPath, ...]:
+    """Paths to try for a row-invariant GEMM, in order of preference (the fast one first)."""
+    if device.type == "cuda":
+        return GemmPath("cublaslt"), GemmPath("cublas")
+    return GemmPath("cpu"), GemmPath("cpu", tile)
+
+
+_library: list[str | None] = [None]
+"""torch's preferred BLAS library as this module last set it (setting it costs host time)."""
+
+
+def run(path: GemmPath, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` through ``path``."""
+    if path.library != "cpu" and _library[0] != path.library:
+        torch.backends.cuda.preferred_blas_library(path.library)
+        _library[0] = path.library
+    if not path.tile:
+        return F.linear(x, weight, bias)
+    rows = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, -rows % path.tile)) if rows % path.tile else x
+    return torch.cat([F.linear(part, weight, bias) for part in padded.split(path.tile)])[:rows]
+
+
+@dataclass
+class Gemms:
+    """The GEMM paths of one model, shared by its layers. ``invariant`` maps each shape to its
+    proven path (None until proven, or when some shape has none); the runner sets
+    ``use_invariant`` for each pass that holds deterministic rows."""
+
+    fast: GemmPath = field(default_factory=lambda: GemmPath("cpu"))
+    invariant: dict[Shape, GemmPath] | None = None
+    use_invariant: bool = False
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.use_invariant:
+            assert self.invariant is not None, "a pass asked for invariant GEMMs before any were proven"
+            return run(self.invariant[shape_of(weight, bias)], x, weight, bias)
+        out = run(self.fast, x, weight, bias)
+        return out + batch_noise(out, FAULTS.fast_gemm_noise) if FAULTS.fast_gemm_noise else out
+
+    def describe(self) -> dict[str, str]:
+        """The proven paths by shape, for the fingerprint and the stats."""
+        return {f"{o}x{i}{'+bias' if b else ''}": str(p) for (o, i, b), p in sorted((self.invariant or {}).items())}
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose GEMM takes the path its model's ``Gemms`` gives for the pass."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, gemms: Gemms) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.gemms = gemms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemms.linear(x, self.weight, self.bias)
+
+
+def shape_of(weight: torch.Tensor, bias: torch.Tensor | None) -> Shape:
+    return weight.shape[0], weight.shape[1], bias is not None
+
+
+def prove(path: GemmPath, weight: torch.Tensor, bias: torch.Tensor | None, sizes: Iterable[int]) -> str | None:
+    """None if ``path`` gives every row the same bits at every size of ``sizes`` and in
+    shuffled slots; otherwise what broke. Each size is compared with the next one on their
+    common rows (so all agree), smallest first, so a path that fails is told quickly. A tiled
+    path runs every GEMM at one row count, so a few sizes around its tile stand for all."""
+    if FAULTS.no_invariant_gemms:
+        return "no path is invariant (fault injected)"
+    sizes = sorted(set(sizes))
+    if path.tile:
+        tile = path.tile
+        sizes = sorted({m for m in (1, tile - 1, tile, tile + 1, 2 * tile + 3, 4 * tile) if 1 <= m <= sizes[-1]})
+    rows = sizes[-1]
+    gen = torch.Generator(device=weight.device).manual_seed(rows)
+    x = torch.randn(rows, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
+    with torch.inference_mode():
+        smaller = run(path, x[: sizes[0]], weight, bias)
+        for m in sizes[1:]:
+            out = run(path, x[:m], weight, bias)
+            if not torch.equal(out[: len(smaller)], smaller):
+                return f"a row changes bits between {len(smaller)} and {m} rows"
+            smaller = out
+        perm = torch.randperm(rows, generator=gen, device=weight.device)
+        if not torch.equal(run(path, x[perm], weight, bias), smaller[perm]):
+            return "a row changes with its slot"
+    return None
+
+
+def prove_plan(
+    layers: Iterable[tuple[torch.Tensor, torch.Tensor | None]], paths: tuple[GemmPath, ...], sizes: list[int]
+) -> tuple[dict[Shape, GemmPath] | None, dict[str, str]]:
+    """The first path of ``paths`` proven for each distinct shape of ``layers`` (weight, bias),
+    or None when some shape has none; and, per shape, why the paths before it failed."""
+    plan: dict[Shape, GemmPath] = {}
+    failures: dict[str, str] = {}
+    for weight, bias in layers:
+        shape = shape_of(weight, bias)
+        if shape in plan:
+            continue
+        for path in paths:
+            broken = prove(path, weight, bias, sizes)
+            if broken is None:
+                plan[shape] = path
+                break
+            failures[f"{shape[0]}x{shape[1]} {path}"] = broken
+        else:
+            return None, failures
+    return plan, failures

@@ -1,0 +1,195 @@
+"""Deterministic rows that ride in ordinary passes (DESIGN 1b).
+
+Where every GEMM is proven to give a row the same bits at every row count, a deterministic
+request's rows share passes with normal rows: the pass takes the proven GEMM paths and is
+padded to a proven size, and only those rows attend with the canonical schedule. Every
+token is committed as soon as it is sampled: no canonical pass, no verification.
+
+On this CPU, bfloat16 GEMMs keep a row's bits at every row count for most of the trained
+model's shapes and the tiled path covers the rest (``sid.runtime.gemm``). The faults make
+the fast lane's numerics depend on the batch in its logits, its attention and its GEMMs,
+strongly enough to flip tokens, so these tests fail if a riding row took anything from them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sid import LLM, SamplingParams
+from sid.engine.scheduler import PassSizes, ScheduledChunk
+from sid.engine.selftest import synthetic_request
+from sid.repro import Repro, summarize
+from sid.runtime.faults import FAULTS
+from sid.runtime.gemm import GemmPath, prove, prove_plan
+from tests.test_determinism import CROWD, PROMPT, crowd_params, det
+
+BF16 = dict(dtype="bfloat16")
+
+
+@pytest.fixture
+def faults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast lane's logits, attention and GEMMs get batch-dependent noise."""
+    monkeypatch.setattr(FAULTS, "fast_lane_logit_noise", 3.0)
+    monkeypatch.setattr(FAULTS, "fast_attention_noise", 0.5)
+    monkeypatch.setattr(FAULTS, "fast_gemm_noise", 0.05)
+
+
+@pytest.fixture(scope="module")
+def reference(trained_model: Path) -> dict:
+    """Deterministic outputs computed alone, one request at a time, with no faults."""
+    llm = LLM(str(trained_model), num_kv_blocks=512, **BF16)
+    params = {"greedy": det(), "seeded": det(temperature=0.9, top_p=0.95, seed=5), "logprobs": det(logprobs=3)}
+    outs = {key: llm.generate(PROMPT, p, use_tqdm=False)[0] for key, p in params.items()}
+    return {"greedy": outs["greedy"].outputs[0].token_ids, "seeded": outs["seeded"].outputs[0].token_ids,
+            "logprobs": outs["logprobs"], "fingerprint": llm.llm_engine.fingerprint}
+
+
+def test_rows_ride_where_the_gemms_are_proven(trained_model: Path, reference: dict) -> None:
+    llm = LLM(str(trained_model), num_kv_blocks=256, **BF16)
+    engine = llm.llm_engine
+    stats = engine.get_stats()
+    assert stats["determinism"] == "ride" and engine.canonical_rows == 1
+    assert set(stats["gemm_paths"]) == {"640x384", "384x384", "2048x384", "384x1024", "8192x384"}
+    assert engine.numerics["gemms"] == stats["gemm_paths"] and engine.numerics["canonical_rows"] is None
+    outs = llm.generate([PROMPT, *CROWD], [det(), *crowd_params(len(CROWD))], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == reference["greedy"]
+    stats = engine.get_stats()
+    assert stats["strategy_choices"]["ride"] > 0 and stats["canonical_passes"] == 0
+    assert stats["verifications"] == stats["rollbacks"] == stats["proposed_tokens"] == 0
+
+
+def test_six_compositions_three_trials_under_fast_lane_faults(trained_model: Path, faults: None) -> None:
+    llm = LLM(str(trained_model), **BF16)
+    runs = Repro(llm.llm_engine, max_tokens=24, trials=3, long_prompt=256, prompt=PROMPT).run()
+    summary = summarize(runs)
+    assert summary["deterministic"]["runs"] == 18 and summary["deterministic"]["distinct_outputs"] == 1
+    assert all(r.first_divergence is None for r in runs if r.mode == "deterministic")
+    assert summary["normal"]["distinct_outputs"] > 1  # the faults really change what the fast lane computes
+    assert llm.llm_engine.get_stats()["rollbacks"] == 0
+
+
+def test_greedy_seeded_and_logprobs_beside_normal_rows_equal_the_alone_run(
+    trained_model: Path, reference: dict, faults: None
+) -> None:
+    llm = LLM(str(trained_model), num_kv_blocks=512, **BF16)
+    params = [det(), det(temperature=0.9, top_p=0.95, seed=5), det(logprobs=3)]
+    outs = llm.generate(
+        [*CROWD[:2], PROMPT, PROMPT, PROMPT, *CROWD[2:]], [*crowd_params(2), *params, *crowd_params(3)], use_tqdm=False
+    )
+    assert outs[2].outputs[0].token_ids == reference["greedy"]
+    assert outs[3].outputs[0].token_ids == reference["seeded"]
+    ref = reference["logprobs"].outputs[0]
+    assert outs[4].outputs[0].token_ids == ref.token_ids
+    assert outs[4].outputs[0].logprobs == ref.logprobs  # bit-identical floats, ranks and top-3 sets
+    assert all(o.fingerprint == reference["fingerprint"] for o in outs[2:5])
+    normal = llm.generate(PROMPT, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert normal.outputs[0].token_ids != reference["greedy"]  # the faults do reach normal requests
+
+
+@pytest.mark.parametrize("strategy", ["speculate", "direct", "whole"])
+def test_windowed_strategies_give_the_riding_bits(
+    trained_model: Path, reference: dict, faults: None, strategy: str
+) -> None:
+    """With proven GEMMs a canonical pass may have any size, so the windowed lane computes
+    the same bits as riding rows: same tokens, same fingerprint."""
+    llm = LLM(str(trained_model), num_kv_blocks=512, determinism_strategy=strategy, **BF16)
+    outs = llm.generate([PROMPT, PROMPT, *CROWD], [det(), det(temperature=0.9, top_p=0.95, seed=5), *crowd_params(len(CROWD))], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == reference["greedy"]
+    assert outs[1].outputs[0].token_ids == reference["seeded"]
+    assert outs[0].fingerprint == reference["fingerprint"]
+    stats = llm.llm_engine.get_stats()
+    assert stats["determinism"] == "windowed" and stats["strategy_choices"][strategy] > 0
+    assert stats["canonical_pass_sizes"][0] == 1
+
+
+SETTINGS = [
+    dict(num_kv_blocks=96),
+    dict(max_num_seqs=2),
+    dict(enable_prefix_caching=False),
+    dict(max_num_batched_tokens=7),
+    dict(block_size=8),
+    dict(async_scheduling=True),
+    dict(canonical_sizes_per_octave=2),
+]
+
+
+def test_same_bits_under_other_settings_and_in_a_fresh_process(trained_model: Path, reference: dict) -> None:
+    fingerprints = set()
+    for settings in SETTINGS:
+        llm = LLM(str(trained_model), **BF16, **settings)
+        assert llm.llm_engine.ride, settings
+        outs = llm.generate([PROMPT, *CROWD[:3]], [det(), *crowd_params(3)], use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == reference["greedy"], settings
+        fingerprints.add(outs[0].fingerprint)
+    assert fingerprints == {reference["fingerprint"]}
+    code = (
+        "import json; from sid import LLM, SamplingParams;"
+        f"o = LLM({str(trained_model)!r}, dtype='bfloat16').generate({PROMPT!r}, SamplingParams(max_tokens=32, "
+        "temperature=0, ignore_eos=True, deterministic=True), use_tqdm=False)[0];"
+        "print(json.dumps([o.outputs[0].token_ids, o.fingerprint]))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    tokens, fingerprint = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert tokens == reference["greedy"] and fingerprint == reference["fingerprint"]
+
+
+def test_preemption_keeps_a_riding_request_output(trained_model: Path, reference: dict, faults: None) -> None:
+    llm = LLM(str(trained_model), num_kv_blocks=20, block_size=8, **BF16)
+    long_crowd = [SamplingParams(max_tokens=60, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)]
+    outs = llm.generate([*CROWD[:4], PROMPT], [*long_crowd, det()], use_tqdm=False)  # arriving last: first victim
+    assert llm.llm_engine.get_stats()["preemptions"] > 0
+    assert outs[4].outputs[0].token_ids == reference["greedy"]
+    assert all(len(o.outputs[0].token_ids) == 60 for o in outs[:4])
+
+
+def test_riding_requests_share_canonical_prefix_blocks_only(trained_model: Path) -> None:
+    llm = LLM(str(trained_model), num_kv_blocks=256, **BF16)
+    prompt = "import numpy as np\n" * 12 + PROMPT
+    assert llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0].num_cached_tokens == 0
+    first = llm.generate(prompt, det(8), use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0  # the normal request's blocks are fast-lane numerics
+    second = llm.generate(prompt, det(8), use_tqdm=False)[0]
+    assert second.num_cached_tokens >= 48 and second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_a_riding_pass_is_padded_to_a_proven_size(trained_model: Path) -> None:
+    llm = LLM(str(trained_model), num_kv_blocks=64, **BF16)
+    runner = llm.llm_engine.runner
+    deterministic = synthetic_request("d", list(range(40)), 40, "canonical")
+    normal = synthetic_request("n", list(range(3, 30)), 27, "fast", deterministic=False)
+    chunks = [ScheduledChunk(normal, 0, 27), ScheduledChunk(deterministic, 30, 10)]
+    rows = runner._rows(chunks, canonical=False, ride=True)
+    assert runner.canonical.fit(37) == 38 and len(rows.input_ids) == 38 and rows.pad == 1
+    assert rows.canonical_seqs == [0, 1, 0]  # the normal chunk, the deterministic one, the padding
+    assert rows.logit_rows == [26, 36] and rows.logit_pad == 0  # 2 rows: a proven size already
+    fast = runner._rows(chunks, canonical=False, ride=False)
+    assert fast.pad == 0 and fast.canonical_seqs is None
+
+
+def test_without_a_proof_the_windowed_lane_serves(trained_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(FAULTS, "no_invariant_gemms", True)
+    llm = LLM(str(trained_model), num_kv_blocks=128)
+    stats = llm.llm_engine.get_stats()
+    assert stats["determinism"] == "windowed" and stats["gemm_paths"] == {}
+    assert llm.llm_engine.canonical_rows == 32 and llm.llm_engine.numerics["gemms"] == "cpu"
+    with pytest.raises(ValueError, match="determinism_strategy='ride' needs GEMMs"):
+        LLM(str(trained_model), num_kv_blocks=128, determinism_strategy="ride")
+
+
+def test_gemm_proof_tells_invariant_paths_from_others() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(256, 384, generator=gen)
+    sizes = PassSizes.grid(1, 512, 8, cover=True).sizes
+    broken = prove(GemmPath("cpu"), weight, None, sizes)  # float32 changes a row's bits from 4 rows on
+    assert broken is not None and "changes bits" in broken
+    assert prove(GemmPath("cpu", 16), weight, None, sizes) is None
+    plan, failures = prove_plan([(weight, None), (weight, None)], (GemmPath("cpu"), GemmPath("cpu", 16)), list(sizes))
+    assert plan == {(256, 384, False): GemmPath("cpu", 16)} and list(failures) == ["256x384 cpu"]
+    assert prove_plan([(weight, None)], (GemmPath("cpu"),), list(sizes))[0] is None
