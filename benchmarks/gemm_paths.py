@@ -17,16 +17,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import cuda_time, table, write_json  # noqa: E402
+from common import table, write_json  # noqa: E402
 
 from sid.engine.scheduler import PassSizes  # noqa: E402
-from sid.runtime.gemm import CPU_TILE, GemmPath, candidates, fast_path, prove, run  # noqa: E402
+from sid.runtime.gemm import CPU_TILE, GemmPath, candidates, fast_path, prove, run, time_gemm  # noqa: E402
 
 TIMED = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 
@@ -58,17 +59,11 @@ SMOKE = {"tiny-pycode-llama": shapes(384, 1024, 6, 2, 64, 8192)}
 def timed(path: GemmPath, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, m: int) -> float:
     """Microseconds of one GEMM of ``m`` rows: replayed from a CUDA graph on a GPU."""
     xm = x[:m].contiguous()
-    if not x.is_cuda:
-        import time
-
-        start = time.perf_counter()
-        run(path, xm, w, b)
-        return (time.perf_counter() - start) * 1e6
+    if x.is_cuda:
+        return time_gemm(path, xm, w, b)
+    start = time.perf_counter()
     run(path, xm, w, b)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(path, xm, w, b)
-    return cuda_time(graph.replay) * 1e6
+    return (time.perf_counter() - start) * 1e6
 
 
 def main() -> None:

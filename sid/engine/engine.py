@@ -31,7 +31,7 @@ from sid.model.loader import build_model
 from sid.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from sid.runtime.attention import PagedKVCache, get_backend
 from sid.runtime.cuda_graphs import CUDAGraphs
-from sid.runtime.gemm import CPU_TILE, candidates, fast_path, prove_plan
+from sid.runtime.gemm import CPU_TILE, candidates, fast_path, pad_floors, prove_plan
 from sid.runtime.model_runner import ChunkResult, LaunchedPass, ModelRunner, SampledToken, TokenFeed, placeholder
 from sid.runtime.tp_worker import TPWorkers, WorkerSpec
 from sid.sampling_params import RequestOutputKind, SamplingParams
@@ -164,6 +164,7 @@ class LLMEngine:
             verify_window=config.verify_window,
             strategy=config.determinism_strategy,
             cost_model=GPU_COST if self.device.type == "cuda" else CPU_COST,
+            max_canonical_rows=config.max_canonical_rows,
         )
         self.runner = ModelRunner(
             self.model, self.kv_cache, config.block_size, self.device, self.canonical, self.workers
@@ -233,9 +234,11 @@ class LLMEngine:
                 raise ValueError(f"determinism_strategy='ride' needs GEMMs that keep a row's bits at every row count: {failed}")
             logger.info("no row-invariant GEMM path for every shape; deterministic requests take the windowed lane")
             return
-        self.model.gemms.invariant = plan
+        gemms = self.model.gemms
+        gemms.invariant = plan
+        gemms.min_rows = pad_floors(plan, self.model.gemm_weights(), gemms.fast)
         if self.workers is not None:
-            self.workers.set_gemms(plan)
+            self.workers.set_gemms(gemms)
         self.canonical = sizes
         self.ride = strategy in ("auto", "ride")
 
@@ -481,6 +484,7 @@ class LLMEngine:
             "canonical_passes": sched.canonical_passes,
             "determinism": "ride" if self.ride else "windowed",
             "gemm_paths": self.model.gemms.describe(),
+            "gemm_min_rows": {f"{o}x{i}": rows for (o, i, _), rows in self.model.gemms.min_rows.items()},
             "canonical_pass_sizes": list(self.canonical.sizes),
             "canonical_rows_used": sched.canonical_rows_used,
             "canonical_rows_padded": sched.canonical_rows_padded,

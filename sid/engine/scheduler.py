@@ -227,6 +227,7 @@ class Scheduler:
         verify_window: int,
         strategy: str = "auto",
         cost_model: PassCost = CPU_COST,
+        max_canonical_rows: int | None = None,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown determinism strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
@@ -234,6 +235,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.canonical = canonical
+        self.max_canonical_rows = max_canonical_rows
+        """Largest canonical pass the windowed lane packs (None: the largest size); the sizes
+        may go beyond it where every pass carrying deterministic rows needs one."""
         self.verify_window = verify_window
         self.strategy = strategy
         self.cost_model = cost_model
@@ -357,10 +361,15 @@ class Scheduler:
         self.stats.scheduled_tokens += plan.num_tokens
         return plan
 
+    @property
+    def largest_pass(self) -> int:
+        cap = self.max_canonical_rows or self.canonical.max
+        return max((s for s in self.canonical.sizes if s <= cap), default=self.canonical.base)
+
     def _pass_sizes(self, rows: int) -> list[int]:
         """Sizes of the passes ``_pack`` makes for ``rows`` rows: full largest ones, then the
         smallest size that holds the rest."""
-        largest = self.canonical.max
+        largest = self.largest_pass
         full, rest = divmod(rows, largest)
         return [largest] * full + ([self.canonical.fit(rest)] if rest else [])
 
@@ -470,7 +479,7 @@ class Scheduler:
             while start < end:
                 if room == 0:
                     passes.append([])
-                    room = self.canonical.max
+                    room = self.largest_pass
                 n = min(room, end - start)
                 passes[-1].append(chunk if n == chunk.num_tokens else ScheduledChunk(chunk.request, start, n))
                 start += n

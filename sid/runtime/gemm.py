@@ -22,11 +22,18 @@ per shape, at every pass size it will use (``prove``), and the fingerprint recor
 Per shape the first candidate that proves invariant is taken: a fixed order, never a timing,
 so a machine always makes the same choice and its fingerprint stays put. Passes that hold no
 deterministic row keep the fast path, so normal traffic runs exactly the GEMMs it ran before.
+
+A proven path may be slow at a few rows where the fast one is not (on the H200, cuBLAS
+without a workspace took 22.7 us for one row of Qwen3-0.6B's down projection and 15.9 us
+for 8, where cuBLASLt took 16.0 for either). Since its rows keep their bits at every row
+count, such a GEMM may run padded to a cheaper row count (``Gemms.min_rows``, timed at
+start-up, ``pad_floors``): a speed choice that changes no bits, so no fingerprint records it.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -97,11 +104,17 @@ class Gemms:
     fast: GemmPath = field(default_factory=lambda: GemmPath("cpu"))
     invariant: dict[Shape, GemmPath] | None = None
     use_invariant: bool = False
+    min_rows: dict[Shape, int] = field(default_factory=dict)
+    """Row counts that proven GEMMs of a shape are padded up to, where that is quicker."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.use_invariant:
             assert self.invariant is not None, "a pass asked for invariant GEMMs before any were proven"
-            return run(self.invariant[shape_of(weight, bias)], x, weight, bias)
+            shape = shape_of(weight, bias)
+            rows, floor = x.shape[0], self.min_rows.get(shape, 0)
+            if rows < floor:
+                return run(self.invariant[shape], F.pad(x, (0, 0, 0, floor - rows)), weight, bias)[:rows]
+            return run(self.invariant[shape], x, weight, bias)
         out = run(self.fast, x, weight, bias)
         return out + batch_noise(out, FAULTS.fast_gemm_noise) if FAULTS.fast_gemm_noise else out
 
@@ -150,6 +163,42 @@ def prove(path: GemmPath, weight: torch.Tensor, bias: torch.Tensor | None, sizes
         if not torch.equal(run(path, x[perm], weight, bias), smaller[perm]):
             return "a row changes with its slot"
     return None
+
+
+def time_gemm(path: GemmPath, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, iters: int = 20) -> float:
+    """Median microseconds of one GEMM of ``x``'s rows through ``path``, replayed from a CUDA graph."""
+    run(path, x, weight, bias)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(path, x, weight, bias)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def pad_floors(
+    plan: dict[Shape, GemmPath], layers: Iterable[tuple[torch.Tensor, torch.Tensor | None]], fast: GemmPath,
+    rows: tuple[int, ...] = (1, 2, 4, 8, 16),
+) -> dict[Shape, int]:
+    """Per shape whose proven path is not the fast one (CUDA), the row count to pad its small
+    GEMMs up to: the floor that makes ``rows`` cheapest in all, timed on the model's weights."""
+    floors: dict[Shape, int] = {}
+    for weight, bias in layers:
+        shape = shape_of(weight, bias)
+        path = plan[shape]
+        if not weight.is_cuda or path == fast or shape in floors:
+            continue
+        x = torch.randn(max(rows), weight.shape[1], device=weight.device).to(weight.dtype)
+        with torch.inference_mode():
+            us = {m: time_gemm(path, x[:m], weight, bias) for m in rows}
+        floors[shape] = min(rows, key=lambda floor: sum(us[max(m, floor)] for m in rows))
+    return {shape: floor for shape, floor in floors.items() if floor > 1}
 
 
 def prove_plan(

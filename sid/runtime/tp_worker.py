@@ -43,7 +43,7 @@ from sid.runtime.distributed import (
     TPGroup,
     init_groups,
 )
-from sid.runtime.gemm import GemmPath, Shape, fast_path
+from sid.runtime.gemm import Gemms, fast_path
 from sid.runtime.model_runner import ModelRunner, StepInputs
 
 _HOST = "127.0.0.1"
@@ -117,7 +117,7 @@ def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore) -> None:
         if kind == STOP:
             break
         if kind == GEMMS:
-            model.gemms.invariant = pickle.loads(store.get(f"{_KEY}/gemms"))
+            model.gemms.invariant, model.gemms.min_rows = pickle.loads(store.get(f"{_KEY}/gemms"))
         elif kind == KV_CACHE:
             assert isinstance(arg, int)
             runner = None  # free the old cache before allocating the new one
@@ -168,11 +168,11 @@ class TPWorkers:
         """Block until every worker has built its shard (rank 0 builds its own meanwhile)."""
         self._wait_for("ready")
 
-    def set_gemms(self, plan: dict[Shape, GemmPath]) -> None:
-        """Every worker takes rank 0's proven GEMM paths (its shard has rank 0's shapes)."""
+    def set_gemms(self, gemms: Gemms) -> None:
+        """Every worker takes rank 0's proven GEMM paths and pad floors (its shard has rank 0's shapes)."""
         self._raise_if_dead()
         assert self.control is not None
-        self.store.set(f"{_KEY}/gemms", pickle.dumps(plan))
+        self.store.set(f"{_KEY}/gemms", pickle.dumps((gemms.invariant, gemms.min_rows)))
         self.control.send(GEMMS)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
