@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import table, write_json  # noqa: E402
 
-from sid.engine.scheduler import PassSizes  # noqa: E402
+from sid.engine.plan import PassSizes  # noqa: E402
 from sid.runtime.gemm import CPU_TILE, GemmPath, candidates, fast_path, prove, run, time_gemm  # noqa: E402
 
 TIMED = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from sid.engine.scheduler import PassSizes
+from sid.engine.plan import PassSizes
 
 _DTYPES = {
     "float32": torch.float32,

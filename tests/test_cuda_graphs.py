@@ -17,7 +17,7 @@ import torch
 from sid import LLM, SamplingParams
 from sid.engine.engine import LLMEngine
 from sid.engine.kv_cache import cdiv
-from sid.engine.scheduler import ScheduledChunk
+from sid.engine.plan import ScheduledChunk
 from sid.runtime.cuda_graphs import CUDAGraphs
 from sid.runtime.model_runner import ChunkResult
 

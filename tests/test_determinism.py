@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from sid import LLM, SamplingParams
-from sid.engine.engine import DEFAULT_DETERMINISTIC_SEED
+from sid.engine.inputs import DEFAULT_DETERMINISTIC_SEED
 from sid.engine.request import Request
 from sid.engine.router import RequestContext, Router, RouterPolicy, Rule
-from sid.engine.scheduler import PassSizes, ScheduledChunk, StepPlan, _Demand
+from sid.engine.plan import Demand, PassSizes, ScheduledChunk, StepPlan
 from sid.engine.selftest import DeterminismSelfTestError
 from sid.repro import Repro, summarize
 from sid.runtime.faults import FAULTS
@@ -118,10 +118,10 @@ def test_every_strategy_gives_the_same_bits(trained_model: Path, reference: dict
 
 def test_auto_strategy_follows_the_cost_model(trained_model: Path) -> None:
     llm = LLM(str(trained_model), num_kv_blocks=512)
-    sched = llm.llm_engine.scheduler
+    sched = llm.llm_engine.scheduler.windowed
     # A GPU-like cost model (passes cost about the same up to M rows) prefers canonical passes;
     # a CPU-like one (cost per row) prefers speculating one row per request in the fast lane.
-    from sid.engine.scheduler import CPU_COST, GPU_COST
+    from sid.engine.windowed import CPU_COST, GPU_COST
 
     sched.cost_model = GPU_COST
     # Few rows in all: one canonical pass does everything.
@@ -150,11 +150,11 @@ def test_canonical_rows_are_packed_into_the_fewest_passes_of_checked_sizes(train
         LLM(str(trained_model), num_kv_blocks=64, max_canonical_rows=16)
     with pytest.raises(ValueError, match="canonical_sizes_per_octave"):
         LLM(str(trained_model), num_kv_blocks=64, canonical_sizes_per_octave=0)
-    sched = LLM(str(trained_model), num_kv_blocks=64).llm_engine.scheduler
+    sched = LLM(str(trained_model), num_kv_blocks=64).llm_engine.scheduler.windowed
     assert sched.canonical.sizes == (32, 64, 128, 256)
     prompt = Request("r", None, list(range(300)), det(), 0, 1, frozenset(), 0, deterministic=True)
     before = replace(sched.stats)
-    passes = sched._pack([ScheduledChunk(prompt, 0, 290), ScheduledChunk(prompt, 290, 10)])
+    passes = sched.pack([ScheduledChunk(prompt, 0, 290), ScheduledChunk(prompt, 290, 10)])
     assert [sum(c.num_tokens for c in p) for p in passes] == [256, 44]  # run as passes of 256 and 64 rows
     assert [(c.start, c.end) for p in passes for c in p] == [(0, 256), (256, 290), (290, 300)]
     assert sched.stats.canonical_passes - before.canonical_passes == 2
@@ -162,12 +162,12 @@ def test_canonical_rows_are_packed_into_the_fewest_passes_of_checked_sizes(train
 
 
 def test_speculating_requests_ride_in_the_padding_of_a_canonical_pass(trained_model: Path) -> None:
-    sched = LLM(str(trained_model), num_kv_blocks=64, determinism_strategy="speculate").llm_engine.scheduler
+    sched = LLM(str(trained_model), num_kv_blocks=64, determinism_strategy="speculate").llm_engine.scheduler.windowed
     a, b, c, d = (Request(n, None, list(range(40)), det(), 0, 1, frozenset(), 0, deterministic=True) for n in "abcd")
-    verifying = _Demand(canonical=ScheduledChunk(a, 0, 20), required=True)  # one 32-row pass: 12 rows spare
-    flexible = [_Demand(ScheduledChunk(r, 30, n), ScheduledChunk(r, 39, 1)) for r, n in ((b, 5), (c, 9), (d, 4))]
+    verifying = Demand(canonical=ScheduledChunk(a, 0, 20), required=True)  # one 32-row pass: 12 rows spare
+    flexible = [Demand(ScheduledChunk(r, 30, n), ScheduledChunk(r, 39, 1)) for r, n in ((b, 5), (c, 9), (d, 4))]
     plan = StepPlan()
-    sched._assign_lanes(plan, [verifying, *flexible])
+    sched.assign(plan, [verifying, *flexible])
     assert [(ch.request.request_id, ch.num_tokens) for ch in plan.canonical[0]] == [("a", 20), ("b", 5), ("d", 4)]
     assert [(ch.request.request_id, ch.num_tokens) for ch in plan.fast] == [("c", 1)]
     assert plan.strategy == "speculate" and len(plan.canonical) == 1
@@ -189,7 +189,7 @@ def test_canonical_prefix_blocks_are_reused_and_fast_blocks_never_read(trained_m
 
 def test_preemption_mid_window_keeps_the_output(trained_model: Path, reference: dict, faults: object) -> None:
     llm = LLM(str(trained_model), num_kv_blocks=20, block_size=8, verify_window=8, determinism_strategy="speculate")
-    scheduler = llm.llm_engine.scheduler
+    scheduler = llm.llm_engine.scheduler.windowed
     preempted_with_proposals = []
     original = scheduler._preempt
 

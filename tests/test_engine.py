@@ -115,7 +115,7 @@ def test_eos_stops_and_max_model_len_caps(trained_model: Path) -> None:
     # Make a token the greedy run produces count as end-of-sequence for this engine.
     llm = LLM(str(trained_model), num_kv_blocks=64)
     ids = llm.generate("def main(", SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].token_ids
-    llm.llm_engine.eos_token_ids = frozenset({ids[5]})
+    llm.llm_engine.inputs.eos_token_ids = frozenset({ids[5]})
     out = llm.generate("def main(", SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == ids[: ids.index(ids[5]) + 1]
     assert out.finish_reason == "stop" and out.stop_reason is None

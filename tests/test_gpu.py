@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from sid import LLM, SamplingParams
-from sid.engine.scheduler import MeasuredPassCost, ScheduledChunk
+from sid.engine.plan import ScheduledChunk
+from sid.engine.windowed import MeasuredPassCost
 from tests.test_models import record_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU twins run in CI)")
@@ -72,7 +73,7 @@ def test_deterministic_request_is_identical_alone_and_under_load_in_bf16(trained
     del llm
     windowed = LLM(str(trained_model), determinism_strategy="speculate", gpu_memory_utilization=0.3)
     for strategy in ("speculate", "direct", "whole"):
-        windowed.llm_engine.scheduler.strategy = strategy
+        windowed.llm_engine.scheduler.windowed.strategy = strategy
         outs = windowed.generate([*crowd[:30], PROMPTS[0], *crowd[30:]], [*params[:30], det, *params[30:]], use_tqdm=False)
         assert (outs[30].outputs[0].token_ids, outs[30].outputs[0].logprobs, outs[30].fingerprint) == alone, strategy
     assert windowed.stats()["verifications"] > 0
@@ -179,7 +180,7 @@ def test_large_canonical_passes_give_the_bits_of_small_ones_in_bf16(trained_mode
 def test_the_scheduler_weighs_passes_the_engine_timed_at_start_up(trained_model: Path) -> None:
     """Graphed and eager passes of both lanes are timed (CPU twin: test_pass_costs.py)."""
     engine = LLM(str(trained_model), determinism_strategy="speculate", gpu_memory_utilization=0.3).llm_engine
-    sched, cost = engine.scheduler, engine.scheduler.cost_model
+    sched, cost = engine.scheduler.windowed, engine.scheduler.windowed.cost_model
     assert isinstance(cost, MeasuredPassCost)
     assert sched.fast_graph_rows == engine.runner.graphs.buckets[-1] and sched.graph_rows >= engine.canonical_rows
     assert cost.canonical_graphed[-1][0] == sched.graph_rows and cost.canonical_eager[-1][0] == engine.canonical.max

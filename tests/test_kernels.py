@@ -287,8 +287,8 @@ def test_canonical_bits_do_not_depend_on_how_splits_are_spread(monkeypatch: pyte
     pool = Pool(600, 2, 64, torch.float32, seed=23)
     batch = mixed_batch(pool, 4, [(3 * SPLIT + 70, 1), (2 * SPLIT + 5, 9), (SPLIT - 3, 1)])
     outs = []
-    for per_sm in (1000, 1):  # every split its own program / one program folds them all
-        monkeypatch.setattr(attention, "_PROGRAMS_PER_SM", per_sm)
+    for target in (1 << 20, 1):  # programs wanted: every split its own / one program folds them all
+        monkeypatch.setattr(attention, "_target_programs", lambda device, target=target: target)
         sched = attention._canonical_schedule(2, len(batch.q), 3, 2, 9, 3 * SPLIT + 70, DEVICE)
         outs.append((sched.group, attention.paged_attention(*batch.args(pool), 0.125, canonical=True)))
     (spread, a), (folded, b) = outs

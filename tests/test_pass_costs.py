@@ -10,8 +10,11 @@ import pytest
 from sid import LLM, SamplingParams
 from sid.engine.calibrate import measure_pass_costs
 from sid.engine.request import Request
-from sid.engine.scheduler import MeasuredPassCost, ScheduledChunk, StepPlan, _Demand
+from sid.engine.plan import Demand, ScheduledChunk, StepPlan
+from sid.engine.windowed import MeasuredPassCost
 
+
+pytestmark = pytest.mark.usefixtures("windowed_lane")
 
 def test_measured_costs_interpolate_between_the_timed_passes() -> None:
     cost = MeasuredPassCost(fast_graphed=((1, 2.0), (16, 2.0), (256, 8.0)), fast_eager=((16, 20.0),), canonical_eager=((128, 4.0), (256, 6.0)))
@@ -28,7 +31,7 @@ def test_measured_costs_interpolate_between_the_timed_passes() -> None:
 def test_a_whole_step_keeps_prompt_chunks_fast_only_where_a_pass_more_is_cheaper(trained_model: Path) -> None:
     """A launch-bound model (every eager pass costs about the same) runs a whole step as one
     canonical pass; a row-bound one leaves other requests' prompt chunks in the fast lane."""
-    sched = LLM(str(trained_model), num_kv_blocks=64, determinism_strategy="whole").llm_engine.scheduler
+    sched = LLM(str(trained_model), num_kv_blocks=64, determinism_strategy="whole").llm_engine.scheduler.windowed
     assert sched.canonical.sizes == (32, 64, 128, 256) and sched.graph_rows == 0
     flexible = Request("d", None, list(range(40)), SamplingParams(max_tokens=8), 0, 1, frozenset(), 0, deterministic=True)
     decoding = Request("f", None, list(range(40)), SamplingParams(max_tokens=8), 0, 1, frozenset(), 0)
@@ -37,11 +40,11 @@ def test_a_whole_step_keeps_prompt_chunks_fast_only_where_a_pass_more_is_cheaper
     def plan_for(prompt_rows: int) -> StepPlan:
         plan = StepPlan()
         demands = [
-            _Demand(ScheduledChunk(flexible, 39, 1), ScheduledChunk(flexible, 39, 1)),
-            _Demand(fast=ScheduledChunk(decoding, 39, 1)),
-            _Demand(fast=ScheduledChunk(prompt, 0, prompt_rows)),
+            Demand(ScheduledChunk(flexible, 39, 1), ScheduledChunk(flexible, 39, 1)),
+            Demand(fast=ScheduledChunk(decoding, 39, 1)),
+            Demand(fast=ScheduledChunk(prompt, 0, prompt_rows)),
         ]
-        sched._assign_lanes(plan, demands)
+        sched.assign(plan, demands)
         assert plan.strategy == "whole"
         return plan
 
@@ -56,7 +59,7 @@ def test_a_whole_step_keeps_prompt_chunks_fast_only_where_a_pass_more_is_cheaper
 
 
 def test_a_decode_graph_makes_speculating_cheaper_than_an_eager_whole_step(trained_model: Path) -> None:
-    sched = LLM(str(trained_model), num_kv_blocks=64).llm_engine.scheduler
+    sched = LLM(str(trained_model), num_kv_blocks=64).llm_engine.scheduler.windowed
     sched.cost_model = MeasuredPassCost(
         fast_graphed=((1, 1.0), (64, 2.0)), fast_eager=((16, 20.0),), canonical_eager=((32, 21.0), (256, 22.0))
     )

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from sid import LLM, SamplingParams
-from sid.engine.scheduler import PassSizes, ScheduledChunk
+from sid.engine.plan import PassSizes, ScheduledChunk
 from sid.engine.selftest import synthetic_request
 from sid.repro import Repro, summarize
 from sid.runtime.faults import FAULTS

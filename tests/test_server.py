@@ -212,8 +212,9 @@ def test_batched_prompts_are_separate_choices(served: Served) -> None:
 
 
 def test_deterministic_requests_identical_under_load_on_every_router_path(served: Served, monkeypatch) -> None:
-    """Field, header and a rule on `user` each route to the canonical lane; under concurrent
-    random traffic and fast-lane faults every one equals the unperturbed alone run."""
+    """Field, header and a rule on `user` each route to the deterministic path (rows riding
+    beside the others); under concurrent random traffic and fast-lane faults every one equals
+    the unperturbed alone run."""
     reference = complete(served, max_tokens=24, logprobs=1, deterministic=True)
     monkeypatch.setattr(FAULTS, "fast_lane_logit_noise", 3.0)
     rng = random.Random(0)
@@ -254,7 +255,8 @@ def test_deterministic_requests_identical_under_load_on_every_router_path(served
         assert out.system_fingerprint == reference.system_fingerprint
     normal = complete(served, max_tokens=24)
     assert normal.choices[0].text != reference.choices[0].text  # the faults do reach the fast lane
-    assert scrape(served.url)["sid_rollbacks_total"] > 0
+    samples = scrape(served.url)
+    assert samples['sid_strategy_choices_total{strategy="ride"}'] > 0 and samples["sid_rollbacks_total"] == 0
 
 
 @pytest.mark.parametrize(
@@ -430,12 +432,11 @@ def test_metrics_report_latency_and_determinism(served: Served) -> None:
         "sid_generation_tokens_total",
         "sid_prompt_tokens_total",
         "sid_deterministic_requests_total",
-        "sid_verifications_total",
-        "sid_canonical_rows_used_total",
+        'sid_strategy_choices_total{strategy="ride"}',
         'sid_requests_total{finish_reason="length"}',
     ):
         assert m[name] > 0, name
-    assert 0 < m["sid_canonical_lane_fill"] <= 1
+    assert m["sid_verifications_total"] == m["sid_canonical_lane_fill"] == 0  # riding rows need no canonical pass
     assert m[f'sid_numerics_info{{fingerprint="{served.engine.fingerprint}"}}'] == 1
     for name in (
         "sid_num_requests_waiting",

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from sid.engine.kv_cache import KVCacheManager, cdiv
-from sid.engine.scheduler import MeasuredPassCost, PassSizes, ScheduledChunk
+from sid.engine.plan import PassSizes, ScheduledChunk
+from sid.engine.windowed import MeasuredPassCost
 from sid.engine.selftest import synthetic_request
 from sid.runtime.model_runner import ModelRunner
 from sid.sampling_params import SamplingParams

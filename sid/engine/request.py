@@ -140,6 +140,12 @@ class Request:
         """Prompt logprobs need logits at every prompt position, so such requests compute all."""
         return self.prompt_logprobs is None
 
+    def fill(self, index: int, token: int) -> None:
+        """Put a sampled token where the launch of its pass left a placeholder."""
+        if self.token_ids[index] >= 0:
+            raise RuntimeError(f"{self.request_id}: position {index} holds a token, not a placeholder")
+        self.token_ids[index] = token
+
     def cache_keys(self) -> tuple[str, ...]:
         """Extra keys of this request's block hashes: numerics domain and cache salt."""
         return (self.domain, self.cache_salt or "")

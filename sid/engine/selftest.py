@@ -25,7 +25,7 @@ import torch
 
 from sid.engine.kv_cache import KVCacheManager, cdiv
 from sid.engine.request import Request
-from sid.engine.scheduler import PassSizes, ScheduledChunk
+from sid.engine.plan import PassSizes, ScheduledChunk
 from sid.runtime.model_runner import ModelRunner
 from sid.sampling_params import SamplingParams
 

@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from sid.engine.engine import LLMEngine, PromptType
+from sid.engine.engine import LLMEngine
+from sid.engine.inputs import PromptType
 from sid.engine.request import Request
 from sid.engine.router import RequestContext
 from sid.entrypoints.metrics import EngineSnapshot, RequestTiming, ServerMetrics

@@ -9,7 +9,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from sid.config import EngineConfig
-from sid.engine.engine import LLMEngine, PromptType
+from sid.engine.engine import LLMEngine
+from sid.engine.inputs import PromptType
 from sid.engine.request import Request
 from sid.model.builtin import default_model_path
 from sid.outputs import RequestOutput

@@ -27,7 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sid.engine.engine import LLMEngine, PromptType
+from sid.engine.engine import LLMEngine
+from sid.engine.inputs import PromptType
 from sid.engine.router import RequestContext
 from sid.entrypoints.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, GenerationStream
 from sid.entrypoints.openai_protocol import (

@@ -35,7 +35,7 @@ import torch
 
 from sid.engine.kv_cache import cdiv
 from sid.engine.request import Request
-from sid.engine.scheduler import PassSizes, ScheduledChunk
+from sid.engine.plan import PassSizes, ScheduledChunk
 from sid.model.decoder import CausalLM
 from sid.outputs import Logprob, PositionLogprobs
 from sid.runtime.attention import AttentionMetadata, PagedKVCache

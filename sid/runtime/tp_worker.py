@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from sid.engine.scheduler import PassSizes
+from sid.engine.plan import PassSizes
 from sid.model.config import ModelConfig
 from sid.model.loader import build_model
 from sid.runtime.attention import PagedKVCache, get_backend
