@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from sid.engine.scheduler import PassSizes
+from sid.kernels import HAS_TRITON
 
 _DTYPES = {
     "float32": torch.float32,
@@ -75,11 +76,12 @@ class EngineConfig:
             raise ValueError(f"verify_window must be >= 1, got {self.verify_window}")
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        device = torch.device(self.device)
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(auto if self.device == "auto" else self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for, but no CUDA device is available")
+        if device.type == "cuda" and not HAS_TRITON:
+            raise ValueError("device='cuda' runs Triton kernels, and Triton is not installed: pip install 'sid[gpu]'")
         return device
 
     def canonical_sizes_for(self, device: torch.device) -> PassSizes:
