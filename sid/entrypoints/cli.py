@@ -107,11 +107,19 @@ def _repro(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from sid import LLM
-    from sid.repro import Repro, format_table, write_report
+    from sid.repro import COMPOSITIONS, GREEDY, Repro, Target, determinism_held, format_table, summarize, write_report
 
+    if args.sampled_temperature < 0:
+        raise ValueError(f"--sampled-temperature must be >= 0, got {args.sampled_temperature}")
+    targets = (GREEDY,)
+    if args.sampled_temperature > 0:
+        targets += (Target("sampled", args.sampled_temperature, args.sampled_seed),)
     llm = LLM(args.model, **_engine_kwargs(args))
     engine = llm.llm_engine
-    repro = Repro(engine, max_tokens=args.max_tokens, trials=args.trials, long_prompt=args.long_prompt, prompt=args.prompt)
+    repro = Repro(
+        engine, max_tokens=args.max_tokens, trials=args.trials, long_prompt=args.long_prompt, prompt=args.prompt,
+        targets=targets,
+    )
     runs = repro.run()
     meta = {
         "model": engine.config.model,
@@ -123,12 +131,15 @@ def _repro(args: argparse.Namespace) -> int:
         "verify_window": engine.config.verify_window,
         "max_tokens": args.max_tokens,
         "trials": args.trials,
+        "targets": {t.name: t.describe() for t in targets},
         "engine_stats": engine.get_stats(),
     }
     json_path, png_path = write_report(runs, Path(args.out), meta, args.max_tokens)
+    print(f"one prompt, {len(COMPOSITIONS)} batch compositions x {args.trials} trials; targets: "
+          + "; ".join(t.describe() for t in targets))
     print(format_table(runs))
     print(f"fingerprint {engine.fingerprint}; wrote {json_path} and {png_path}")
-    return 0
+    return 0 if determinism_held(summarize(runs)) else 1
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -186,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     repro.add_argument("--max-tokens", type=int, default=48)
     repro.add_argument("--trials", type=int, default=3)
     repro.add_argument("--long-prompt", type=int, default=384, help="length of the long co-tenant prompts")
+    repro.add_argument(
+        "--sampled-temperature", type=float, default=1.0,
+        help="also run the target sampled at this temperature with a fixed seed (0: greedy lanes only)",
+    )
+    repro.add_argument("--sampled-seed", type=int, default=7, help="seed of the sampled target")
     repro.add_argument("--out", default="out/repro", help="folder for repro.json and repro.png")
     rep = sub.add_parser("replay", help="re-run recorded deterministic responses and check their bits")
     rep.add_argument("record", help="a receipts file (JSON Lines) written by `sid generate --receipts` or the server")
