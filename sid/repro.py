@@ -135,6 +135,10 @@ class Repro:
             self.prompt = engine.tokenizer(prompt or DEFAULT_PROMPT).input_ids
         else:
             self.prompt = random.Random(0).choices(range(vocab), k=16)
+        # Co-tenants: prompts of up to 64 tokens, or the target's plus up to 24, then up to 12 new tokens.
+        need = max(64, len(self.prompt) + 24) + 12
+        if engine.max_model_len < need:
+            raise ValueError(f"the repro's co-tenants need max_model_len >= {need}, got {engine.max_model_len}")
         self.long_prompt = min(long_prompt, engine.max_model_len - 40)
         self.vocab = vocab
         self._ids = 0
