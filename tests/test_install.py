@@ -55,7 +55,8 @@ def test_plain_pip_install_runs_sid_generate_without_triton(trained_model: Path,
     run(*pip, source)
     probe = run(venv / "bin" / "python", "-c", "import importlib.util; print(importlib.util.find_spec('triton'))")
     assert probe.stdout == "None\n", "a plain install should not need Triton, and this one has it"
-    proc = run(venv / "bin" / "sid", "generate", "--model", trained_model, "--prompt", "def main(", "--max-tokens", "12")
+    prompt = ("--prompt", "def main(", "--max-tokens", "12")
+    proc = run(venv / "bin" / "sid", "generate", "--model", trained_model, *prompt)
 
     expected = LLM(str(trained_model), num_kv_blocks=32).generate(
         "def main(", SamplingParams(max_tokens=12, temperature=0), use_tqdm=False
