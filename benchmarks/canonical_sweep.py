@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 
 import attention  # sets TRITON_INTERPRET on a CPU; it must come before triton
 import torch
 import triton
-from common import table, write_json
+from common import parse_args, table, write_json
 
 from sid.kernels import paged_attention as pa
 
@@ -76,7 +75,7 @@ def canonical_out(args: tuple, max_seq_len: int) -> torch.Tensor:
 
 def candidates(smoke: bool, block_ms: list[int], tiles: list[int], splits: list[int], warps: list[int]) -> list[dict[str, int]]:
     if smoke:
-        return [dict(pa.CANONICAL_CONFIG), {**pa.CANONICAL_CONFIG, "kv_split": 2 * pa.CANONICAL_CONFIG["kv_tile"]}]
+        return [dict(pa.CANONICAL_CONFIG), {**pa.CANONICAL_CONFIG, "kv_split": 2 * pa.CANONICAL_CONFIG["kv_split"]}]
     grid = itertools.product(block_ms, tiles, splits, warps)
     return [dict(block_m=m, kv_tile=t, kv_split=s, num_warps=w, num_stages=3) for m, t, s, w in grid if s % t == 0]
 
@@ -94,12 +93,11 @@ def main() -> None:
     ap.add_argument("--kv-tile", default="64,128", help="candidate kv_tile values")
     ap.add_argument("--kv-split", default="256,512,1024", help="candidate kv_split values")
     ap.add_argument("--num-warps", default="4", help="candidate num_warps values")
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default=os.environ.get("OUT"))
-    args = ap.parse_args()
-    offsets, context = PREFILL_OFFSETS, args.decode_context
+    args = parse_args(ap, smoke=dict(rows=8, max_seq_len=96, decode_context=24))
     if args.smoke:
-        args.rows, args.max_seq_len, offsets, context = 8, 160, (0, 40), 48
+        pa.CANONICAL_CONFIG.update(attention.SMOKE_CONFIG)
+    offsets = (0, 24) if args.smoke else PREFILL_OFFSETS
+    context = args.decode_context
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     sizes = attention.SMOKE if args.smoke else attention.FULL

@@ -1,17 +1,30 @@
-"""Shared pieces of the benchmarks: real model shapes for dummy weights, the workload, output."""
+"""Shared pieces of the benchmarks: real model shapes for dummy weights, the workload, output,
+and ``--smoke``: every benchmark's own run at toy sizes on the CPU, in seconds, so CI runs them
+all (tests/test_benchmarks.py) and none rots unnoticed. A new benchmark gets it in two lines::
+
+    args = parse_args(ap, smoke=dict(model=SMOKE_MODEL, requests=8))   # adds --smoke and --out
+    llm = LLM(model_dir(args.model), device=engine_device(args), ...)
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from sid.model.builtin import TINY_SHAPE
+
+SMOKE_MODEL = "tiny"
+"""The preset ``--smoke`` runs: Sid's built-in tiny Llama shape (sid.model.builtin), dummy weights."""
 
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {
@@ -52,7 +65,44 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "eos_token_id": 151645,
     },
+    SMOKE_MODEL: {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **TINY_SHAPE,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "eos_token_id": 2,
+    },
 }
+GPU_PRESETS = [name for name in PRESETS if name != SMOKE_MODEL]
+"""The real models' shapes (what a benchmark measures on the GPU when given none)."""
+
+
+def parse_args(ap: argparse.ArgumentParser, smoke: dict[str, Any] | None = None) -> argparse.Namespace:
+    """Parse with ``--smoke`` and ``--out`` added; under ``--smoke`` the arguments in ``smoke`` are
+    replaced by its toy values (everything else runs as given: the same code path, smaller)."""
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds on the CPU: the tiny built-in model and toy sizes, the real run's code path (CI)")
+    ap.add_argument("--out", default=None, help="folder for the JSON results (default: $OUT, else here)")
+    args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(smoke or {})
+    return args
+
+
+def engine_device(args: argparse.Namespace) -> str:
+    """The engine's ``device``: the CPU under ``--smoke``, else the engine's choice (a GPU where there is one)."""
+    return "cpu" if args.smoke else "auto"
+
+
+def bench_device(args: argparse.Namespace) -> torch.device:
+    """Where a benchmark's own tensors go: the CPU under ``--smoke``, else CUDA where it is available."""
+    return torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def model_dir(name: str | None) -> str | None:
@@ -74,19 +124,39 @@ def workload(n: int, low: int, high: int, vocab: int, seed: int = 0) -> list[tup
     ]
 
 
-def cuda_time(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
-    """Median seconds of ``fn()`` on the GPU, timed with CUDA events after ``warmup`` calls."""
+def device_time(fn: Callable[[], object], device: torch.device, iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds of ``fn()`` after ``warmup`` calls: CUDA events on a GPU, wall clock on the CPU."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    once = _cuda_seconds if device.type == "cuda" else _wall_seconds
+    return statistics.median(once(fn) for _ in range(iters))
+
+
+def _cuda_seconds(fn: Callable[[], object]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _wall_seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def replayable(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """``fn`` captured in a CUDA graph, as the engine runs its passes: its replay times the GPU
+    without launch gaps. On the CPU there are no graphs: ``fn`` itself."""
+    if device.type != "cuda":
+        return fn
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return graph.replay
 
 
 def write_json(name: str, data: dict[str, Any], out: str | None) -> Path:

@@ -4,8 +4,11 @@ For each batch x context, the engine's own decode graph for that batch replays a
 which every row sits at the given context. The floor is (weight bytes + K/V bytes read) /
 bandwidth, with the bandwidth measured in the same run by reading a large bf16 tensor.
 Combinations whose K/V does not fit in the engine's pool are reported as skipped.
+On the CPU (``--smoke``) there are no CUDA graphs: the same static buffers and ``load``
+feed the graph's computation run eagerly (``CUDAGraphs.forward``).
 
     python benchmarks/decode_roofline.py --model llama-3.1-8b      # H200
+    python benchmarks/decode_roofline.py --smoke                   # CPU, tiny model, seconds
 """
 
 from __future__ import annotations
@@ -14,20 +17,26 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PRESETS, cuda_time, model_dir, table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    PRESETS, SMOKE_MODEL, bench_device, device_name, device_time, engine_device, model_dir, parse_args, table,
+    write_json,
+)
 
 from sid import LLM  # noqa: E402
 from sid.engine.kv_cache import cdiv  # noqa: E402
+from sid.engine.memory import block_bytes  # noqa: E402
+from sid.runtime.cuda_graphs import CUDAGraphs  # noqa: E402
 
 
-def read_bandwidth(gib: float = 4.0) -> float:
+def read_bandwidth(device: torch.device, gib: float) -> float:
     """Bytes per second of a ``sum`` over a large bf16 tensor (median of 20)."""
-    x = torch.randn(int(gib * 2**30 / 2), dtype=torch.bfloat16, device="cuda")
-    return x.numel() * 2 / cuda_time(x.sum)
+    x = torch.randn(int(gib * 2**30 / 2), dtype=torch.bfloat16, device=device)
+    return x.numel() * 2 / device_time(x.sum, device)
 
 
 def main() -> None:
@@ -35,21 +44,28 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--contexts", default="512,2048,8192")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--bandwidth-gib", type=float, default=4.0, help="size of the tensor the bandwidth is read from")
+    args = parse_args(ap, smoke=dict(model=SMOKE_MODEL, batches="1,4", contexts="32,64", bandwidth_gib=0.0625))
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(model_dir(args.model), load_format="dummy" if args.model in PRESETS else "auto",
+              device=engine_device(args),
               max_model_len=max(contexts) + 1, max_num_seqs=max(batches), enable_determinism=False)
     engine = llm.llm_engine
+    device = bench_device(args)
     graphs = engine.runner.graphs
-    assert graphs is not None, "decode_roofline needs CUDA graphs (a GPU and enforce_eager=False)"
+    if graphs is None:
+        assert device.type != "cuda", "decode_roofline needs CUDA graphs on a GPU (enforce_eager=False)"
+        max_blocks = cdiv(engine.max_model_len, engine.config.block_size)
+        graphs = CUDAGraphs(engine.model, engine.kv_cache, max_batch=max(batches), max_blocks=max_blocks,
+                            max_seq_len=engine.max_model_len)
+    step = graphs.replay if graphs.graphs else graphs.forward
     cache = engine.kv_cache
     for t in cache.k + cache.v:
         t.normal_()  # never time on zeros
-    bw = read_bandwidth()
+    bw = read_bandwidth(device, args.bandwidth_gib)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    kv_token_bytes = engine._block_bytes() // engine.config.block_size
+    kv_token_bytes = block_bytes(engine) // engine.config.block_size
     bs, pool = engine.config.block_size, engine.kv.pool.num_blocks
     rows = []
     for ctx in contexts:
@@ -58,15 +74,15 @@ def main() -> None:
             if b * per_seq > pool:
                 rows.append({"batch": b, "context": ctx, "status": "skipped: K/V does not fit"})
                 continue
-            tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
-            slots = [t[(ctx - 1) // bs] * bs + (ctx - 1) % bs for t in tables]
+            tables = np.arange(b * per_seq, dtype=np.int32).reshape(b, per_seq)
+            slots = tables[:, (ctx - 1) // bs].astype(np.int64) * bs + (ctx - 1) % bs
             bucket = graphs.load([1] * b, [ctx - 1] * b, slots, tables, [ctx] * b)
-            seconds = cuda_time(lambda: graphs.replay(bucket), iters=30)
+            seconds = device_time(lambda: step(bucket), device, iters=30)
             floor = (weight_bytes + b * ctx * kv_token_bytes) / bw
             rows.append({"batch": b, "context": ctx, "step_ms": seconds * 1e3, "floor_ms": floor * 1e3,
                          "of_floor": floor / seconds, "tok_s": b / seconds, "status": "ok"})
-    meta = {"model": args.model, "gpu": torch.cuda.get_device_name(), "bandwidth_TBps": bw / 1e12,
-            "weight_GB": weight_bytes / 1e9, "kv_bytes_per_token": kv_token_bytes}
+    meta = {"model": args.model, "gpu": device_name(device), "cuda_graphs": bool(graphs.graphs),
+            "bandwidth_TBps": bw / 1e12, "weight_GB": weight_bytes / 1e9, "kv_bytes_per_token": kv_token_bytes}
     out = write_json("decode_roofline", {**meta, "rows": rows}, args.out)
     print(f"{args.model} on {meta['gpu']}: read bandwidth {bw / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.1f} GB")
     print(table(rows, ["batch", "context", "step_ms", "floor_ms", "of_floor", "tok_s", "status"]))

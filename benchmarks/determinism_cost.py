@@ -11,7 +11,7 @@ fraction routes the same requests. Every run starts with the prefix cache reset,
 computes every prompt (``--keep-prefix-cache`` lets the repeats find the prompts cached by
 the runs before them, as the figures recorded before the fifth session did).
 
-    python benchmarks/determinism_cost.py --smoke                         # CPU, built-in model
+    python benchmarks/determinism_cost.py --smoke                         # CPU, tiny model, seconds
     python benchmarks/determinism_cost.py --model qwen3-0.6b --requests 256   # H200, dummy weights
 """
 
@@ -31,11 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PRESETS, model_dir, table, workload, write_json  # noqa: E402
+from common import PRESETS, SMOKE_MODEL, engine_device, model_dir, parse_args, table, workload, write_json  # noqa: E402
 
 from sid import LLM, RequestOutput, SamplingParams  # noqa: E402
 from sid.engine.engine import LLMEngine  # noqa: E402
-from sid.engine.scheduler import StepPlan  # noqa: E402
+from sid.engine.plan import StepPlan  # noqa: E402
 from sid.kernels.paged_attention import CANONICAL_CONFIG  # noqa: E402
 from sid.runtime.model_runner import LaunchedPass  # noqa: E402
 
@@ -167,16 +167,13 @@ def main() -> None:
                          "requests; by default every run starts with the prefix cache reset, so it computes them)")
     ap.add_argument("--step-log", action="store_true",
                     help="also time the engine's steps by kind (steps with prompt rows; decode steps by batch size)")
-    ap.add_argument("--smoke", action="store_true", help="CPU-sized: 24 requests of 16..64 tokens on the default model")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.smoke:
-        args.requests, args.min_len, args.max_len = 24, 16, 64
+    args = parse_args(ap, smoke=dict(model=SMOKE_MODEL, requests=16, min_len=8, max_len=32, repeats=1))
     if args.canonical_config:
         CANONICAL_CONFIG.update(json.loads(Path(args.canonical_config).read_text()))
     llm = LLM(
         model_dir(args.model) if args.model else None,
         load_format="dummy" if args.model in PRESETS else "auto",
+        device=engine_device(args),
         max_model_len=2 * args.max_len + 16,
         canonical_rows=args.canonical_rows,
         max_canonical_rows=args.max_canonical_rows,
@@ -216,7 +213,7 @@ def main() -> None:
         "fingerprint": engine.fingerprint,
         "prefix_cache_reset_per_run": not args.keep_prefix_cache,
         "canonical_attention": engine.numerics["attention"],
-        "pass_costs": asdict(engine.scheduler.cost_model),  # type: ignore[call-overload]
+        "pass_costs": asdict(engine.scheduler.windowed.cost_model),  # type: ignore[call-overload]
     }
     path = write_json("determinism_cost", {**meta, "rows": rows}, args.out)
     cols = ["fraction", "output_tok_s", "normalised", "normal_output_tok_s", "rollbacks", "recomputed_tokens",

@@ -8,7 +8,7 @@ pays host time per pass, which queued passes hide behind the GPU, and attention 
 share of a long-context step.
 
     python benchmarks/pass_costs.py --model qwen3-0.6b      # H200, dummy weights
-    python benchmarks/pass_costs.py --smoke                 # CPU, built-in model
+    python benchmarks/pass_costs.py --smoke                 # CPU, tiny model, seconds
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PRESETS, model_dir, table, write_json  # noqa: E402
+from common import PRESETS, SMOKE_MODEL, engine_device, model_dir, parse_args, table, write_json  # noqa: E402
 
 from sid import LLM  # noqa: E402
 from sid.engine.calibrate import measure_pass_costs  # noqa: E402
@@ -32,18 +32,16 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint path or preset (llama-3.1-8b, qwen3-0.6b)")
     ap.add_argument("--max-model-len", type=int, default=2064)
     ap.add_argument("--context", type=int, default=1024, help="keys each decode row reads, in the timings at context")
-    ap.add_argument("--smoke", action="store_true", help="CPU-sized: the built-in model, short context")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.smoke:
-        args.max_model_len, args.context = 256, 64
+    args = parse_args(ap, smoke=dict(model=SMOKE_MODEL, max_model_len=256, context=64))
     llm = LLM(
         model_dir(args.model) if args.model else None,
         load_format="dummy" if args.model in PRESETS else "auto",
+        device=engine_device(args),
         max_model_len=args.max_model_len,
+        determinism_strategy="speculate",  # the windowed lane, whose canonical passes it times
     )
     engine = llm.llm_engine
-    sched = engine.scheduler
+    sched = engine.scheduler.windowed
     variants = {
         "engine (at context)": (args.context, 4),
         "position 0": (0, 4),

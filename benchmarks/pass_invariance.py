@@ -5,9 +5,11 @@ the same in a pass of 128 rows and one of 4,096), canonical prompts could run in
 passes instead of many ``M_canon``-row ones. This measures it for every GEMM shape of a
 model (``F.linear``, bf16, as the decoder runs them): each row computed in passes of
 ``--base`` rows is the reference; passes of other sizes hold a shuffled subset of the same
-rows, so slots differ too. Also times each size (one GEMM replayed from a CUDA graph).
+rows, so slots differ too. Also times each size (one GEMM replayed from a CUDA graph; on the
+CPU, run directly).
 
     python benchmarks/pass_invariance.py --model llama-3.1-8b --model qwen3-0.6b   # H200
+    python benchmarks/pass_invariance.py --smoke                                   # CPU, tiny shapes
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PRESETS, cuda_time, table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    GPU_PRESETS, PRESETS, SMOKE_MODEL, bench_device, device_name, device_time, parse_args, replayable, table,
+    write_json,
+)
 
 SIZES = (128, 192, 256, 384, 512, 1000, 1024, 2048, 4096)
 
@@ -41,7 +46,7 @@ def gemm_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     }
 
 
-def check(out_f: int, in_f: int, base: int, sizes: list[int], rows: int, dev: str) -> list[dict]:
+def check(out_f: int, in_f: int, base: int, sizes: list[int], rows: int, dev: torch.device) -> list[dict]:
     gen = torch.Generator(device=dev).manual_seed(0)
     w = torch.randn(out_f, in_f, device=dev, generator=gen).mul_(0.02).to(torch.bfloat16)
     x = torch.randn(rows, in_f, device=dev, generator=gen).to(torch.bfloat16)
@@ -54,36 +59,32 @@ def check(out_f: int, in_f: int, base: int, sizes: list[int], rows: int, dev: st
             got = F.linear(x[idx], w)
             mismatched += int((got != ref[idx]).any(dim=1).sum())
         xm = x[:m].contiguous()
-        graph = torch.cuda.CUDAGraph()
-        F.linear(xm, w)
-        with torch.cuda.graph(graph):
-            F.linear(xm, w)
-        ms = cuda_time(graph.replay) * 1e3
+        ms = device_time(replayable(lambda: F.linear(xm, w), dev), dev) * 1e3
         results.append({"M": m, "mismatched_rows": mismatched, "checked_rows": 3 * m, "ms": ms, "us_per_row": 1e3 * ms / m})
     return results
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", action="append", choices=list(PRESETS), help="repeatable; default: all presets")
+    ap.add_argument("--model", action="append", choices=list(PRESETS), help="repeatable; default: the real models")
     ap.add_argument("--base", type=int, default=128, help="the reference pass size (M_canon)")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--blas", choices=["cublas", "cublaslt"], default=None, help="torch's preferred BLAS library")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("pass_invariance measures cuBLAS: it needs a CUDA device")
+    args = parse_args(ap, smoke=dict(model=[SMOKE_MODEL], base=4, sizes="4,8,16"))
+    device = bench_device(args)
+    if device.type != "cuda" and not args.smoke:
+        raise SystemExit("pass_invariance measures cuBLAS: it needs a CUDA device (--smoke runs on the CPU)")
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
     sizes = [int(s) for s in args.sizes.split(",")]
     rows_total = max(sizes) * 2
-    report: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "base": args.base,
+    report: dict = {"gpu": device_name(device), "torch": torch.__version__, "base": args.base,
                     "blas": str(torch.backends.cuda.preferred_blas_library()),
                     "env": {k: os.environ.get(k) for k in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")}, "results": []}
     lines = []
-    for name in args.model or list(PRESETS):
+    for name in args.model or GPU_PRESETS:
         for gemm, (out_f, in_f) in gemm_shapes(PRESETS[name]).items():
-            for r in check(out_f, in_f, args.base, sizes, rows_total, "cuda"):
+            for r in check(out_f, in_f, args.base, sizes, rows_total, device):
                 r = {"model": name, "gemm": f"{gemm} {in_f}->{out_f}", **r}
                 report["results"].append(r)
                 lines.append(r)

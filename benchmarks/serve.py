@@ -10,7 +10,7 @@ counters (rollbacks, canonical-lane fill, ...) are scraped before and after each
 
     python benchmarks/serve.py --model llama-3.1-8b            # H200: starts `sid serve` (dummy weights)
     python benchmarks/serve.py --url http://127.0.0.1:8000      # a server already running
-    python benchmarks/serve.py --smoke                          # CPU, the default tiny model, seconds
+    python benchmarks/serve.py --smoke                          # CPU, tiny model, seconds
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PRESETS, model_dir, table, write_json  # noqa: E402
+from common import PRESETS, SMOKE_MODEL, model_dir, parse_args, table, write_json  # noqa: E402
 
 from sid.model.builtin import default_model_path  # noqa: E402
 
@@ -236,13 +236,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--vocab-size", type=int, default=None, help="prompt ids are drawn below this (default: config)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--smoke", action="store_true", help="tiny run on the CPU with the default model")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = parse_args(ap, smoke=dict(model=SMOKE_MODEL, rates="16,inf", deterministic_fractions="0,0.5", num_prompts=8,
+                                     input_len=16, output_len=8, serve_args="--device cpu --num-kv-blocks 256"))
     serve_args = args.serve_args.split()
-    if args.smoke:
-        vars(args).update(rates="8,inf", deterministic_fractions="0,0.5", num_prompts=12, input_len=32, output_len=16)
-        serve_args += ["--num-kv-blocks", "256"]
     if args.model in PRESETS:
         serve_args += ["--load-format", "dummy"]
         if "--max-model-len" not in serve_args:

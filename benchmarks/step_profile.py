@@ -8,7 +8,7 @@ host-bound; overlapped scheduling (the default on a GPU) hides the host's share,
 ``--no-async-scheduling`` measures the lockstep engine for comparison.
 
     python benchmarks/step_profile.py --model qwen3-0.6b [--deterministic 1.0] [--no-async-scheduling]   # H200
-    python benchmarks/step_profile.py --smoke                     # CPU, built-in model
+    python benchmarks/step_profile.py --smoke                     # CPU, tiny model, seconds
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PRESETS, model_dir, table, workload, write_json  # noqa: E402
+from common import PRESETS, SMOKE_MODEL, engine_device, model_dir, parse_args, table, workload, write_json  # noqa: E402
 
 from sid import LLM, SamplingParams  # noqa: E402
 from sid.engine.engine import LLMEngine  # noqa: E402
@@ -118,13 +118,10 @@ def main() -> None:
     ap.add_argument("--deterministic", type=float, default=0.0, help="share of deterministic requests")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="overlap the host's work with the GPU's (default: the engine's default)")
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.smoke:
-        args.requests, args.new_tokens, args.max_len = 8, 16, 128
+    args = parse_args(ap, smoke=dict(model=SMOKE_MODEL, requests=8, new_tokens=16, max_len=128, max_model_len=256))
     llm = LLM(model_dir(args.model), load_format="dummy" if args.model in PRESETS else "auto",
-              max_model_len=args.max_model_len if not args.smoke else 256,
+              device=engine_device(args),
+              max_model_len=args.max_model_len,
               enable_determinism=args.deterministic > 0, async_scheduling=args.async_scheduling)
     engine = llm.llm_engine
     high = args.max_len

@@ -7,7 +7,7 @@ transformers' own continuous batching (``generate_batch`` with ``attn_implementa
 with ``--peer-tokens`` new tokens each, and the ratio is taken there.
 
     python benchmarks/throughput.py --model qwen3-0.6b [--peer]      # H200
-    python benchmarks/throughput.py --smoke                           # CPU, tiny
+    python benchmarks/throughput.py --smoke                           # CPU, tiny model, seconds
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PRESETS, model_dir, table, workload, write_json  # noqa: E402
+from common import PRESETS, SMOKE_MODEL, engine_device, model_dir, parse_args, table, workload, write_json  # noqa: E402
 
 from sid import LLM, SamplingParams  # noqa: E402
 
@@ -65,15 +65,14 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--lockstep", action="store_true",
                     help="also run the full workload without overlapped scheduling, on the same engine")
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.smoke:
-        args.requests, args.min_len, args.max_len, args.peer_requests, args.peer_tokens = 16, 16, 48, 8, 16
+    args = parse_args(
+        ap, smoke=dict(model=SMOKE_MODEL, requests=16, min_len=16, max_len=48, peer_requests=8, peer_tokens=16)
+    )
     path = model_dir(args.model)
     llm = LLM(
         path,
         load_format="dummy" if args.model in PRESETS else "auto",
+        device=engine_device(args),
         max_model_len=2 * args.max_len + 16,
         enforce_eager=args.enforce_eager,
     )

@@ -8,20 +8,27 @@ broadcasts, unpacking. Shapes: decode steps of 1/32/256 sequences with 1024-toke
 contexts, a 2048-token prefill, and a canonical pass of 128 rows.
 
     python benchmarks/tp_plan.py [--iters 500]
+    python benchmarks/tp_plan.py --smoke        # a few iterations
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sid.runtime.distributed import STOP, ControlChannel, init_groups
-from sid.runtime.model_runner import StepInputs
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import parse_args, table, write_json  # noqa: E402
+
+from sid.runtime.distributed import STOP, ControlChannel, init_groups  # noqa: E402
+from sid.runtime.model_runner import StepInputs  # noqa: E402
 
 BLOCK = 16
 
@@ -70,7 +77,7 @@ def worker(rank: int, port: int, iters: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=500)
-    args = ap.parse_args()
+    args = parse_args(ap, smoke=dict(iters=5))
     store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
     proc = mp.get_context("spawn").Process(target=worker, args=(1, store.port, args.iters))
     proc.start()
@@ -79,10 +86,9 @@ def main() -> None:
     for _ in range(args.iters):
         ack()
     base = (time.perf_counter() - start) / args.iters
-    print(f"all-reduce round trip alone: {1e6 * base:.0f} us")
-    print(f"{'plan':<26}{'rows':>6}{'ints':>8}{'plan_us':>10}")
+    rows = []
     for name, plan in SHAPES.items():
-        for _ in range(20):  # warm-up
+        for _ in range(min(20, args.iters)):  # warm-up
             control.send_step(plan)
             ack()
         start = time.perf_counter()
@@ -91,10 +97,14 @@ def main() -> None:
             ack()
         per = (time.perf_counter() - start) / args.iters
         ints = 3 * len(plan.input_ids) + sum(map(len, plan.block_tables)) + 2 * len(plan.seq_lens) + 1
-        print(f"{name:<26}{len(plan.input_ids):>6}{ints:>8}{1e6 * (per - base):>10.0f}")
+        rows.append({"plan": name, "rows": len(plan.input_ids), "ints": ints, "plan_us": 1e6 * (per - base)})
     control.send(STOP)
     proc.join()
     dist.destroy_process_group()
+    out = write_json("tp_plan", {"iters": args.iters, "all_reduce_us": 1e6 * base, "rows": rows}, args.out)
+    print(f"all-reduce round trip alone: {1e6 * base:.0f} us")
+    print(table(rows, ["plan", "rows", "ints", "plan_us"]))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from sid.engine.plan import PassSizes
+from sid.kernels import HAS_TRITON
 
 _DTYPES = {
     "float32": torch.float32,
@@ -67,6 +68,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.cpu_kv_cache_bytes < 1:
+            raise ValueError(f"cpu_kv_cache_bytes must be >= 1, got {self.cpu_kv_cache_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -80,13 +83,32 @@ class EngineConfig:
             raise ValueError("async_scheduling needs tensor_parallel_size=1: the workers would need the sampled tokens")
         if self.verify_window < 1:
             raise ValueError(f"verify_window must be >= 1, got {self.verify_window}")
+        if self.attention_backend == "triton" and not HAS_TRITON:
+            raise ValueError("attention_backend='triton' needs Triton, and it is not installed: pip install 'sid[gpu]'")
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        device = torch.device(self.device)
+        """The device to run on, refused here (naming the setting) where the engine could not run."""
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            device = torch.device(auto if self.device == "auto" else self.device)
+        except RuntimeError as exc:
+            raise ValueError(f"device={self.device!r} is not a device: use auto, cpu, cuda or cuda:N") from exc
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: Sid runs on cpu or cuda")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for, but no CUDA device is available")
+        if device.type == "cuda" and not HAS_TRITON:
+            raise ValueError("device='cuda' runs Triton kernels, and Triton is not installed: pip install 'sid[gpu]'")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device={self.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        if self.attention_backend == "triton" and device.type == "cpu":
+            from triton import knobs
+
+            if not knobs.runtime.interpret:
+                raise ValueError(
+                    "attention_backend='triton' on the CPU runs only in Triton's interpreter (TRITON_INTERPRET=1); "
+                    "use 'torch' or 'auto'"
+                )
         return device
 
     def canonical_sizes_for(self, device: torch.device, proven: bool) -> PassSizes:

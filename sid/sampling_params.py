@@ -5,6 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20
+"""Most top logprobs a request may ask for (the OpenAI API's limit, vLLM's default ``max_logprobs``)."""
+
 
 class RequestOutputKind(enum.Enum):
     """What ``step()`` returns for a request: every step's cumulative output, or the last only."""
@@ -75,8 +78,8 @@ class SamplingParams:
             fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                fail(f"{name} must be a non-negative integer, got {value!r}")
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                fail(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             fail(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):

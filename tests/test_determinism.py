@@ -28,7 +28,7 @@ from sid.engine.request import Request
 from sid.engine.router import RequestContext, Router, RouterPolicy, Rule
 from sid.engine.plan import Demand, PassSizes, ScheduledChunk, StepPlan
 from sid.engine.selftest import DeterminismSelfTestError
-from sid.repro import Repro, summarize
+from sid.repro import GREEDY, Repro, summarize
 from sid.runtime.faults import FAULTS
 
 PROMPT = "def fibonacci(n):\n"
@@ -68,12 +68,14 @@ def reference(trained_model: Path) -> dict[str, list[int]]:
 
 def test_repro_six_compositions_three_trials_under_fast_lane_faults(trained_model: Path, faults: object) -> None:
     llm = LLM(str(trained_model))
-    runs = Repro(llm.llm_engine, max_tokens=24, trials=3, long_prompt=256, prompt=PROMPT).run()
+    runs = Repro(llm.llm_engine, max_tokens=24, trials=3, long_prompt=256, prompt=PROMPT, targets=(GREEDY,)).run()
     summary = summarize(runs)
     assert summary["deterministic"]["runs"] == 18 and summary["deterministic"]["distinct_outputs"] == 1
-    assert all(r.first_divergence is None for r in runs if r.mode == "deterministic")
+    assert all(r.first_divergence is None and r.logprobs_bit_equal for r in runs if r.mode == "deterministic")
+    assert summary["deterministic"]["max_abs_logprob_diff"] == 0.0
     assert summary["deterministic"]["rollbacks"] > 0  # the faults really hit the proposals
     assert summary["normal"]["distinct_outputs"] > 1  # and really change what the fast lane computes
+    assert summary["normal"]["logprob_diff_runs"] >= summary["normal"]["diverged_runs"] > 0
 
 
 def test_deterministic_output_equals_the_unperturbed_alone_run(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -30,6 +31,12 @@ from sid.model.config import CheckpointError
         (dict(logprobs=-1), "logprobs"),
         (dict(stop=[""]), "stop"),
         (dict(seed=-1), "seed"),
+        (dict(logprobs=21), r"logprobs must be an integer in \[0, 20\], got 21"),
+        (dict(prompt_logprobs=8193), "prompt_logprobs must be an integer in"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(frequency_penalty=-2.5), "frequency_penalty"),
+        (dict(repetition_penalty=float("nan")), "repetition_penalty"),
     ],
 )
 def test_bad_sampling_params(kwargs: dict, match: str) -> None:
@@ -100,17 +107,113 @@ def test_add_request_rejects_bad_requests_without_disturbing_running_ones(llm: L
     assert final is not None and final.request_id == "good" and final.outputs[0].token_ids == alone
 
 
-def test_engine_options_are_checked() -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1, got 0"),
+        (dict(max_num_seqs=0), "max_num_seqs must be >= 1, got 0"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1, got 0"),
+        (dict(block_size=0), "block_size must be >= 1, got 0"),
+        (dict(num_kv_blocks=0), "num_kv_blocks must be >= 1, got 0"),
+        (dict(cpu_kv_cache_bytes=-5), "cpu_kv_cache_bytes must be >= 1, got -5"),
+        (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
+        (dict(gpu_memory_utilization=float("nan")), "gpu_memory_utilization must be in"),
+        (dict(max_model_len=1), "max_model_len must be >= 2, got 1"),
+        (dict(verify_window=0), "verify_window must be >= 1, got 0"),
+        (dict(async_scheduling=True, tensor_parallel_size=2), "async_scheduling needs tensor_parallel_size=1"),
+    ],
+)
+def test_engine_settings_out_of_range_are_named(kwargs: dict, match: str) -> None:
     from sid.config import EngineConfig
 
-    for kwargs, match in [
-        (dict(tensor_parallel_size=0), "tensor_parallel_size"),
-        (dict(max_num_seqs=0), "max_num_seqs"),
-        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-        (dict(dtype="int8"), "dtype"),
-    ]:
-        with pytest.raises(ValueError, match=match):
-            EngineConfig(model="x", **kwargs).torch_dtype(torch.device("cpu"))
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model="x", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(dtype="int8"), "unknown dtype 'int8'"),
+        (dict(device="bogus"), "device='bogus' is not a device: use auto, cpu, cuda or cuda:N"),
+        (dict(device="meta"), "device='meta': Sid runs on cpu or cuda"),
+        (dict(device="cuda"), "no CUDA device is available"),
+        (dict(load_format="npz"), "unknown load_format 'npz'"),
+        (dict(attention_backend="flash"), "unknown attention backend 'flash'"),
+        (dict(determinism_strategy="fastest"), "unknown determinism strategy 'fastest'"),
+    ],
+)
+def test_engine_settings_with_choices_are_named(
+    trained_model: Path, kwargs: dict, match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=match):
+        LLM(str(trained_model), **kwargs)
+
+
+def test_devices_the_engine_cannot_run_on_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sid.config
+    from sid.config import EngineConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(sid.config, "HAS_TRITON", True)
+    assert EngineConfig(device="cuda:1").torch_device() == torch.device("cuda:1")
+    with pytest.raises(ValueError, match=r"device='cuda:2': this machine has 2 CUDA device\(s\)"):
+        EngineConfig(device="cuda:2").torch_device()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="attention_backend='triton' on the CPU runs only in Triton's interpreter"):
+        EngineConfig(device="cpu", attention_backend="triton").torch_device()
+    monkeypatch.setattr(sid.config, "HAS_TRITON", False)
+    with pytest.raises(ValueError, match="attention_backend='triton' needs Triton, and it is not installed"):
+        EngineConfig(attention_backend="triton")
+
+
+def test_logprobs_beyond_the_vocabulary_no_longer_reach_the_engine(llm: LLM) -> None:
+    """They used to pass validation, fail in torch.topk mid-step, and leave the engine failing every step."""
+    with pytest.raises(ValueError, match="logprobs must be an integer in"):
+        llm.generate("def main(", SamplingParams(max_tokens=2, logprobs=10_000), use_tqdm=False)
+    out = llm.generate("def main(", SamplingParams(max_tokens=2, temperature=0, logprobs=20), use_tqdm=False)[0]
+    assert all(len(position) >= 20 for position in out.outputs[0].logprobs)
+
+
+def test_server_settings_out_of_range_are_named() -> None:
+    from sid.entrypoints.server import ServerSettings
+
+    with pytest.raises(ValueError, match="max_pending must be >= 1, got 0"):
+        ServerSettings(served_model_name="m", max_pending=0)
+    with pytest.raises(ValueError, match="shutdown_timeout must be >= 0, got -1"):
+        ServerSettings(served_model_name="m", shutdown_timeout=-1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["serve", "--port", "70000"], r"argument --port: must be in \[0, 65535\], got 70000"),
+        (["serve", "--max-pending", "0"], "argument --max-pending: must be >= 1, got 0"),
+        (["serve", "--shutdown-timeout", "-1"], "argument --shutdown-timeout: must be >= 0, got -1"),
+        (["repro", "--trials", "0"], "argument --trials: must be >= 1, got 0"),
+        (["repro", "--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0"),
+        (["repro", "--long-prompt", "1"], "argument --long-prompt: must be >= 2, got 1"),
+        (["repro", "--sampled-temperature", "nan"], "argument --sampled-temperature: must be >= 0, got nan"),
+        (["repro", "--sampled-seed", "-1"], "argument --sampled-seed: must be in"),
+        (["repro", "--trials", "x"], "argument --trials: invalid int value: 'x'"),
+    ],
+)
+def test_cli_options_out_of_range_are_named(argv: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from sid.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_repro_refuses_a_model_length_its_co_tenants_do_not_fit(trained_model: Path) -> None:
+    from sid.repro import Repro
+
+    engine = LLM(str(trained_model), num_kv_blocks=64, max_model_len=64).llm_engine
+    with pytest.raises(ValueError, match="the repro's co-tenants need max_model_len >= 76, got 64"):
+        Repro(engine, max_tokens=8, trials=1, long_prompt=384, prompt=None)
 
 
 def test_max_model_len_above_the_model_limit(trained_model: Path) -> None:

@@ -249,7 +249,7 @@ class LLMEngine:
 
     def _numerics_config(self) -> dict[str, Any]:
         """Everything that fixes canonical bits (DESIGN 3.2); see ``sid.engine.fingerprint``."""
-        import triton
+        from sid.kernels import triton_version
 
         gemms = self.model.gemms
         return {
@@ -261,7 +261,7 @@ class LLMEngine:
             "attention": self.backend.canonical_config(),
             "sources": source_digest(),
             "torch": torch.__version__,
-            "triton": triton.__version__,
+            "triton": triton_version(),
             "processor": processor(self.device),
             "weights": weights_digest(self.path, self.config.load_format, self.config.seed),
             "architecture": self.model_config.architecture,

@@ -5,6 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+
+
+def _ranged(kind: type[int] | type[float], low: float, high: float | None = None) -> Callable[[str], int | float]:
+    """An argparse type for options with a range: out of it, argparse's error names the option."""
+
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if not (low <= value and (high is None or value <= high)):  # NaN fails too
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse says "invalid int value" for what kind() refuses
+    return parse
 
 
 def _add_engine_args(p: argparse.ArgumentParser, model_option: bool = True) -> None:
@@ -107,11 +122,17 @@ def _repro(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from sid import LLM
-    from sid.repro import Repro, format_table, write_report
+    from sid.repro import COMPOSITIONS, GREEDY, Repro, Target, determinism_held, format_table, summarize, write_report
 
+    targets = (GREEDY,)
+    if args.sampled_temperature > 0:
+        targets += (Target("sampled", args.sampled_temperature, args.sampled_seed),)
     llm = LLM(args.model, **_engine_kwargs(args))
     engine = llm.llm_engine
-    repro = Repro(engine, max_tokens=args.max_tokens, trials=args.trials, long_prompt=args.long_prompt, prompt=args.prompt)
+    repro = Repro(
+        engine, max_tokens=args.max_tokens, trials=args.trials, long_prompt=args.long_prompt, prompt=args.prompt,
+        targets=targets,
+    )
     runs = repro.run()
     meta = {
         "model": engine.config.model,
@@ -123,25 +144,32 @@ def _repro(args: argparse.Namespace) -> int:
         "verify_window": engine.config.verify_window,
         "max_tokens": args.max_tokens,
         "trials": args.trials,
+        "targets": {t.name: t.describe() for t in targets},
         "engine_stats": engine.get_stats(),
     }
     json_path, png_path = write_report(runs, Path(args.out), meta, args.max_tokens)
+    print(f"one prompt, {len(COMPOSITIONS)} batch compositions x {args.trials} trials; targets: "
+          + "; ".join(t.describe() for t in targets))
     print(format_table(runs))
     print(f"fingerprint {engine.fingerprint}; wrote {json_path} and {png_path}")
-    return 0
+    return 0 if determinism_held(summarize(runs)) else 1
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="local Hugging Face checkpoint (default: built-in tiny)")
     _add_engine_args(p, model_option=False)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--port", type=_ranged(int, 0, 65535), default=8000, help="0 picks a free port")
     p.add_argument("--served-model-name", default=None, help="the `model` clients pass (default: MODEL as given)")
     p.add_argument("--api-key", action="append", default=None, help="accept this bearer key (repeat for several)")
     p.add_argument("--router-config", default=None, help="JSON router policy: rules choosing deterministic requests")
     p.add_argument("--receipts", default=None, help="append a receipt of each deterministic response to FILE")
-    p.add_argument("--max-pending", type=int, default=1024, help="unfinished requests beyond this are answered 429")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    p.add_argument(
+        "--max-pending", type=_ranged(int, 1), default=1024, help="unfinished requests beyond this are answered 429"
+    )
+    p.add_argument(
+        "--shutdown-timeout", type=_ranged(float, 0), default=30.0, help="seconds in-flight requests get after SIGTERM"
+    )
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log every HTTP request")
     p.add_argument("--seed", type=int, default=0, help="engine seed (draws seeds for unseeded sampled requests)")
 
@@ -153,17 +181,15 @@ def _serve(args: argparse.Namespace) -> int:
     from sid.model.builtin import default_model_path
 
     model = args.model or str(default_model_path())
-    if args.max_pending < 1:
-        raise ValueError(f"--max-pending must be >= 1, got {args.max_pending}")
-    engine = LLMEngine(
-        EngineConfig(model=model, seed=args.seed, router_policy=args.router_config, **_engine_kwargs(args))  # type: ignore[arg-type]
-    )
     settings = ServerSettings(
         served_model_name=args.served_model_name or model,
         api_keys=tuple(args.api_key or ()),
         receipts=args.receipts,
         max_pending=args.max_pending,
         shutdown_timeout=args.shutdown_timeout,
+    )
+    engine = LLMEngine(
+        EngineConfig(model=model, seed=args.seed, router_policy=args.router_config, **_engine_kwargs(args))  # type: ignore[arg-type]
     )
     run_server(engine, settings, host=args.host, port=args.port, access_log=args.access_log)
     return 0
@@ -183,9 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     repro = sub.add_parser("repro", help="the repro experiment: one prompt, six batch compositions, normal vs deterministic")
     _add_engine_args(repro)
     repro.add_argument("--prompt", default=None, help="target prompt (default: a fixed code prompt)")
-    repro.add_argument("--max-tokens", type=int, default=48)
-    repro.add_argument("--trials", type=int, default=3)
-    repro.add_argument("--long-prompt", type=int, default=384, help="length of the long co-tenant prompts")
+    repro.add_argument("--max-tokens", type=_ranged(int, 1), default=48)
+    repro.add_argument("--trials", type=_ranged(int, 1), default=3)
+    repro.add_argument("--long-prompt", type=_ranged(int, 2), default=384, help="length of the long co-tenant prompts")
+    repro.add_argument(
+        "--sampled-temperature", type=_ranged(float, 0), default=1.0,
+        help="also run the target sampled at this temperature with a fixed seed (0: greedy lanes only)",
+    )
+    repro.add_argument("--sampled-seed", type=_ranged(int, 0, 2**63 - 1), default=7, help="seed of the sampled target")
     repro.add_argument("--out", default="out/repro", help="folder for repro.json and repro.png")
     rep = sub.add_parser("replay", help="re-run recorded deterministic responses and check their bits")
     rep.add_argument("record", help="a receipts file (JSON Lines) written by `sid generate --receipts` or the server")

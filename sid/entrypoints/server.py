@@ -72,6 +72,12 @@ class ServerSettings:
     shutdown_timeout: float = 30.0
     """Seconds in-flight requests get to finish after SIGTERM before they end with an error."""
 
+    def __post_init__(self) -> None:
+        if self.max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+
 
 class APIError(Exception):
     """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``."""

@@ -2,7 +2,8 @@
 
 Every op here acts on each token row by itself, so a row's result depends on the other
 rows only through the shape of the batch (which the canonical lane fixes). On CUDA they
-run as fused Triton kernels (``sid.kernels``), elsewhere as their torch references.
+run as fused Triton kernels (``sid.kernels``), elsewhere as their torch references (a
+CPU-only install has no Triton, so the kernels are imported only where it is installed).
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ from typing import overload
 import torch
 from torch import nn
 
-from sid.kernels.activation import silu_and_mul as triton_silu_and_mul
+from sid.kernels import HAS_TRITON
 from sid.kernels.layers_ref import apply_rotary_ref, rms_norm_ref, silu_and_mul_ref
-from sid.kernels.rms_norm import rms_norm
-from sid.kernels.rotary import apply_rotary
 from sid.model.config import RopeConfig
+
+if HAS_TRITON:
+    from sid.kernels.activation import silu_and_mul as triton_silu_and_mul
+    from sid.kernels.rms_norm import rms_norm
+    from sid.kernels.rotary import apply_rotary
+else:  # a CPU-only install; EngineConfig refuses CUDA without Triton, so only the references run
+    triton_silu_and_mul, rms_norm, apply_rotary = silu_and_mul_ref, rms_norm_ref, apply_rotary_ref
 
 
 class RMSNorm(nn.Module):
