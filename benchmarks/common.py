@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -122,6 +123,20 @@ def workload(n: int, low: int, high: int, vocab: int, seed: int = 0) -> list[tup
     return [
         ([rng.randrange(vocab) for _ in range(rng.randint(low, high))], rng.randint(low, high)) for _ in range(n)
     ]
+
+
+def lognormal_workload(
+    n: int, median_prompt: int, median_output: int, sigma: float, max_len: int, vocab: int, seed: int = 0
+) -> list[tuple[list[int], int]]:
+    """``n`` requests whose prompt and output lengths are log-normal (a long tail: most are short,
+    a few long), with the given medians and log-space spread, clipped to [4, ``max_len``] and
+    [1, ``max_len``]: the shape of real traffic, where the uniform workload has none."""
+    rng = random.Random(seed)
+
+    def length(median: int, low: int) -> int:
+        return max(low, min(max_len, round(rng.lognormvariate(math.log(median), sigma))))
+
+    return [([rng.randrange(vocab) for _ in range(length(median_prompt, 4))], length(median_output, 1)) for _ in range(n)]
 
 
 def device_time(fn: Callable[[], object], device: torch.device, iters: int = 20, warmup: int = 3) -> float:

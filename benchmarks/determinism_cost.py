@@ -31,7 +31,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PRESETS, SMOKE_MODEL, engine_device, model_dir, parse_args, table, workload, write_json  # noqa: E402
+from common import (  # noqa: E402
+    PRESETS,
+    SMOKE_MODEL,
+    engine_device,
+    lognormal_workload,
+    model_dir,
+    parse_args,
+    table,
+    workload,
+    write_json,
+)
 
 from sid import LLM, RequestOutput, SamplingParams  # noqa: E402
 from sid.engine.engine import LLMEngine  # noqa: E402
@@ -151,8 +161,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint path or preset (llama-3.1-8b, qwen3-0.6b)")
     ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--workload", choices=["uniform", "lognormal"], default="uniform",
+                    help="uniform: lengths in [min-len, max-len] (DESIGN 7); lognormal: a long tail of prompt and "
+                         "output lengths, medians --median-prompt / --median-output, clipped to --max-len")
     ap.add_argument("--min-len", type=int, default=100)
     ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--median-prompt", type=int, default=256)
+    ap.add_argument("--median-output", type=int, default=128)
+    ap.add_argument("--sigma", type=float, default=1.0, help="log-space spread of the lognormal workload's lengths")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
     ap.add_argument("--strategy", default="auto")
@@ -167,7 +183,8 @@ def main() -> None:
                          "requests; by default every run starts with the prefix cache reset, so it computes them)")
     ap.add_argument("--step-log", action="store_true",
                     help="also time the engine's steps by kind (steps with prompt rows; decode steps by batch size)")
-    args = parse_args(ap, smoke=dict(model=SMOKE_MODEL, requests=16, min_len=8, max_len=32, repeats=1))
+    args = parse_args(ap, smoke=dict(model=SMOKE_MODEL, requests=16, min_len=8, max_len=32, median_prompt=12,
+                                     median_output=8, repeats=1))
     if args.canonical_config:
         CANONICAL_CONFIG.update(json.loads(Path(args.canonical_config).read_text()))
     llm = LLM(
@@ -181,7 +198,11 @@ def main() -> None:
         determinism_strategy=args.strategy,
     )
     engine = llm.llm_engine
-    requests = workload(args.requests, args.min_len, args.max_len, engine.model_config.vocab_size)
+    vocab = engine.model_config.vocab_size
+    if args.workload == "uniform":
+        requests = workload(args.requests, args.min_len, args.max_len, vocab)
+    else:
+        requests = lognormal_workload(args.requests, args.median_prompt, args.median_output, args.sigma, args.max_len, vocab)
     run_once(llm, requests, 0.5)  # warm-up: allocator, kernels, graphs
     fractions = [float(f) for f in args.fractions.split(",")]
     runs: dict[float, list[dict[str, float]]] = {f: [] for f in fractions}
@@ -209,16 +230,22 @@ def main() -> None:
         "verify_window": engine.config.verify_window,
         "strategy": args.strategy,
         "requests": args.requests,
-        "lengths": [args.min_len, args.max_len],
+        "workload": args.workload,
+        "lengths": [args.min_len, args.max_len] if args.workload == "uniform" else
+        {"median_prompt": args.median_prompt, "median_output": args.median_output, "sigma": args.sigma,
+         "max": args.max_len, "prompt_tokens": sum(len(p) for p, _ in requests), "output_tokens": sum(n for _, n in requests)},
         "fingerprint": engine.fingerprint,
+        "determinism": llm.stats()["determinism"],
+        "gemm_paths": llm.stats()["gemm_paths"],
         "prefix_cache_reset_per_run": not args.keep_prefix_cache,
         "canonical_attention": engine.numerics["attention"],
         "pass_costs": asdict(engine.scheduler.windowed.cost_model),  # type: ignore[call-overload]
     }
     path = write_json("determinism_cost", {**meta, "rows": rows}, args.out)
     cols = ["fraction", "output_tok_s", "normalised", "normal_output_tok_s", "rollbacks", "recomputed_tokens",
-            "proposed_tokens", "canonical_passes", "chose_speculate", "chose_direct", "chose_whole"]
-    print(f"{meta['model']} on {meta['device']} ({meta['dtype']}), canonical passes of {meta['canonical_sizes']} rows, "
+            "proposed_tokens", "canonical_passes", "chose_ride", "chose_speculate", "chose_direct", "chose_whole"]
+    print(f"{meta['model']} on {meta['device']} ({meta['dtype']}), {args.workload} workload, deterministic rows: "
+          f"{meta['determinism']}, pass sizes {meta['canonical_sizes'][0]}..{meta['canonical_sizes'][-1]}, "
           f"W={meta['verify_window']}")
     print(table(rows, cols))
     print(f"the scheduler's pass costs: {meta['pass_costs']}")

@@ -9,7 +9,7 @@ shows, per shape and path, whether the proof holds and the time at each size; ``
 the proven path the engine would take over the fast path (cuBLASLt) at each size.
 
     python benchmarks/gemm_paths.py --out results/        # H200
-    python benchmarks/gemm_paths.py --smoke               # CPU: the trained model's shapes, tiny sizes
+    python benchmarks/gemm_paths.py --smoke               # CPU: the trained model's shapes, up to 64 rows
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import table, write_json  # noqa: E402
+from common import bench_device, parse_args, table, write_json  # noqa: E402
 
 from sid.engine.plan import PassSizes  # noqa: E402
 from sid.runtime.gemm import CPU_TILE, GemmPath, candidates, fast_path, prove, run, time_gemm  # noqa: E402
@@ -68,13 +68,11 @@ def timed(path: GemmPath, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | No
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="CPU, the trained model's shapes, sizes up to 64")
     ap.add_argument("--max-rows", type=int, default=4096)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    device = torch.device("cuda" if cuda else "cpu")
-    largest = 64 if args.smoke else args.max_rows
+    args = parse_args(ap, smoke=dict(max_rows=64))
+    device = bench_device(args)
+    cuda = device.type == "cuda"
+    largest = args.max_rows
     sizes = list(PassSizes.grid(1, largest, 16 if cuda else 8, cover=True).sizes)
     timed_sizes = [m for m in TIMED if m <= largest]
     fast = fast_path(device)

@@ -8,7 +8,7 @@ of the steps that decode every request (no prompt rows), past the first few. Bat
 runs at ``--long-context`` tokens. The ratio is deterministic over normal.
 
     python benchmarks/latency.py --model llama-3.1-8b --out results/     # H200, dummy weights
-    python benchmarks/latency.py --smoke                                 # CPU, tiny sizes
+    python benchmarks/latency.py --smoke                                 # CPU, tiny model, seconds
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PRESETS, model_dir, table, write_json  # noqa: E402
+from common import PRESETS, SMOKE_MODEL, engine_device, model_dir, parse_args, table, write_json  # noqa: E402
 
 from sid import LLM, SamplingParams  # noqa: E402
 from sid.engine.engine import LLMEngine  # noqa: E402
@@ -61,11 +61,8 @@ def main() -> None:
     ap.add_argument("--long-context", type=int, default=32768, help="batch 1 also runs at this context (0: not)")
     ap.add_argument("--long-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--smoke", action="store_true", help="CPU-sized: batches 1 and 4, 48-token prompts, the default model")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.smoke:
-        args.batches, args.context, args.new_tokens, args.long_context, args.long_new_tokens, args.rounds = "1,4", 48, 12, 96, 8, 1
+    args = parse_args(ap, smoke=dict(model=SMOKE_MODEL, batches="1,4", context=48, new_tokens=12, long_context=96,
+                                     long_new_tokens=8, rounds=1))
     batches = [int(b) for b in args.batches.split(",")]
     cases = [(b, args.context, args.new_tokens) for b in batches]
     if args.long_context:
@@ -74,6 +71,7 @@ def main() -> None:
     llm = LLM(
         model_dir(args.model) if args.model else None,
         load_format="dummy" if args.model in PRESETS else "auto",
+        device=engine_device(args),
         max_model_len=longest + 16,
         max_num_seqs=max(batches),
     )

@@ -207,9 +207,14 @@ def sweep(url: str, prompts: list[list[int]], args: argparse.Namespace) -> tuple
                 "normal": [r for r in results if not r.deterministic],
                 "det": [r for r in results if r.deterministic],
             }
-            for cls, subset in classes.items():
-                if subset and (cls == "all" or 0 < fraction < 1):
-                    rows.append({**run, "class": cls, **summarize(subset, seconds)})
+            summaries = {cls: summarize(subset, seconds) for cls, subset in classes.items() if subset}
+            for cls, summary in summaries.items():
+                if cls == "all" or 0 < fraction < 1:
+                    rows.append({**run, "class": cls, **summary})
+            if "det" in summaries and "normal" in summaries and 0 < fraction < 1:
+                ratios = {f"{m}_median": summaries["det"].get(f"{m}_median", 0) / summaries["normal"].get(f"{m}_median", 1)
+                          for m in ("ttft", "tpot", "itl", "e2e")}
+                rows.append({**run, "class": "det/normal", **ratios})
             errors = sorted({r.error for r in results if r.error})
             raw.append(
                 {
