@@ -8,6 +8,10 @@
 #        pass_costs_qwen pass_costs_llama (passes timed queued or one at a time, at a context or at position 0)
 #        host_profile (py-spy samples of the engine's host thread, Qwen at 0 and 100 %; needs the py-spy wheel in .carry/wheels)
 #        gemm_paths (which GEMM path keeps a row's bits at every row count, per shape, and its cost)
+#        cost_qwen_tail cost_llama_tail (the cost of determinism on the long-tailed workload: log-normal lengths)
+#        base_qwen base_llama (0 % deterministic on the code in .carry/base, the commit a change is measured
+#          against, in the same call: git archive BASE sid benchmarks | tar -x -C .carry/base)
+#        serve_mixed (online, Llama shape: 8 req/s, 25 % deterministic, each class's TTFT / TPOT / ITL)
 #        latency_qwen latency_llama (decode step time, all deterministic vs all normal, batch 1..256 and 32k at batch 1)
 # Environment: REPEATS (cost_*, default 1), FRACTIONS (cost_*, default all), STEP_LOG=1 (cost_*: time steps by kind),
 #   STRATEGY (cost_*: auto, speculate, direct or whole; default auto),
@@ -62,6 +66,12 @@ step() {
     host_profile) python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .carry/wheels/py_spy-*.whl &&
       run_step host_profile 200 /tmp/pyspy/bin/py-spy record --nonblocking -r 100 --format raw -o "$RES/host_profile.txt" -- \
         python3 benchmarks/determinism_cost.py --model qwen3-0.6b --repeats 1 --fractions 0,1.0 --out "$RES/host_profile" ;;
+    cost_qwen_tail) run_step cost_qwen_tail 400 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --workload lognormal --repeats "${REPEATS:-1}" $COST_ARGS --out "$RES/qwen_tail" ;;
+    cost_llama_tail) run_step cost_llama_tail 500 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --workload lognormal --repeats "${REPEATS:-1}" $COST_ARGS --out "$RES/llama_tail" ;;
+    base_qwen) run_step base_qwen 200 env PYTHONPATH=$PWD/.carry/base python3 .carry/base/benchmarks/determinism_cost.py --model qwen3-0.6b --fractions 0 --repeats 1 --out "$RES/base_qwen" ;;
+    base_llama) run_step base_llama 300 env PYTHONPATH=$PWD/.carry/base python3 .carry/base/benchmarks/determinism_cost.py --model llama-3.1-8b --fractions 0 --repeats 1 --out "$RES/base_llama" ;;
+    serve_mixed) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+      export PYTHONPATH=$PYTHONPATH:/tmp/site && run_step serve_mixed 400 python3 benchmarks/serve.py --model llama-3.1-8b --rates 8 --deterministic-fractions 0.25 --num-prompts 160 --out "$RES" ;;
     gemm_paths) run_step gemm_paths 300 python3 benchmarks/gemm_paths.py --out "$RES" ;;
     latency_qwen) run_step latency_qwen 400 python3 benchmarks/latency.py --model qwen3-0.6b --rounds "${REPEATS:-1}" --out "$RES/latency_qwen" ;;
     latency_llama) run_step latency_llama 500 python3 benchmarks/latency.py --model llama-3.1-8b --rounds "${REPEATS:-1}" --out "$RES/latency_llama" ;;

@@ -191,7 +191,7 @@ def test_canonical_prefix_blocks_are_reused_and_fast_blocks_never_read(trained_m
 
 def test_preemption_mid_window_keeps_the_output(trained_model: Path, reference: dict, faults: object) -> None:
     llm = LLM(str(trained_model), num_kv_blocks=20, block_size=8, verify_window=8, determinism_strategy="speculate")
-    scheduler = llm.llm_engine.scheduler.windowed
+    scheduler = llm.llm_engine.scheduler
     preempted_with_proposals = []
     original = scheduler._preempt
 
