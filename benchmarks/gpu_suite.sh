@@ -68,6 +68,9 @@ step() {
         python3 benchmarks/determinism_cost.py --model qwen3-0.6b --repeats 1 --fractions 0,1.0 --out "$RES/host_profile" ;;
     cost_qwen_tail) run_step cost_qwen_tail 400 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --workload lognormal --repeats "${REPEATS:-1}" $COST_ARGS --out "$RES/qwen_tail" ;;
     cost_llama_tail) run_step cost_llama_tail 500 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --workload lognormal --repeats "${REPEATS:-1}" $COST_ARGS --out "$RES/llama_tail" ;;
+    cost_llama_base_recheck) run_step cost_llama_recheck 300 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --fractions 0,0.02 --repeats 2 --out "$RES/llama_recheck" ;;
+    qwen_zero) run_step qwen_zero 200 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --fractions 0 --repeats 3 --out "$RES/qwen_zero"
+      run_step base_qwen_zero 200 env PYTHONPATH=$PWD/.carry/base python3 .carry/base/benchmarks/determinism_cost.py --model qwen3-0.6b --fractions 0 --repeats 3 --out "$RES/base_qwen_zero" ;;
     base_qwen) run_step base_qwen 200 env PYTHONPATH=$PWD/.carry/base python3 .carry/base/benchmarks/determinism_cost.py --model qwen3-0.6b --fractions 0 --repeats 1 --out "$RES/base_qwen" ;;
     base_llama) run_step base_llama 300 env PYTHONPATH=$PWD/.carry/base python3 .carry/base/benchmarks/determinism_cost.py --model llama-3.1-8b --fractions 0 --repeats 1 --out "$RES/base_llama" ;;
     serve_mixed) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +62,14 @@ def test_receipts_replay_match_and_refuse(trained_model: Path, tmp_path: Path) -
     bad.write_text(json.dumps(other) + "\n")
     proc = run_cli("replay", str(bad), "--model", str(trained_model))
     assert proc.returncode == 2 and "differs from this engine's" in proc.stderr
+
+
+def test_deterministic_default_turns_the_router_policy_default_on(tmp_path: Path) -> None:
+    from sid.entrypoints.cli import serve_router_policy
+
+    policy = tmp_path / "router.json"
+    policy.write_text(json.dumps({"rules": [{"user": "bulk", "deterministic": False}]}))
+    args = argparse.Namespace(router_config=str(policy), deterministic_default=True)
+    on = serve_router_policy(args)
+    assert on.default and on.rules[0].user == "bulk"  # the rules stay, and still win
+    assert not serve_router_policy(argparse.Namespace(router_config=None, deterministic_default=False)).default

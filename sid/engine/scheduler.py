@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 
 from sid.engine.kv_cache import KVCacheManager
-from sid.engine.plan import STRATEGIES, Demand, ScheduledChunk, SchedulerStats, StepPlan
+from sid.engine.plan import STRATEGIES, Demand, ScheduledChunk, StepPlan
 from sid.engine.request import Request, RequestStatus
 from sid.engine.windowed import WindowedLane
 

@@ -6,6 +6,11 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sid.engine.router import RouterPolicy
 
 
 def _ranged(kind: type[int] | type[float], low: float, high: float | None = None) -> Callable[[str], int | float]:
@@ -163,6 +168,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the `model` clients pass (default: MODEL as given)")
     p.add_argument("--api-key", action="append", default=None, help="accept this bearer key (repeat for several)")
     p.add_argument("--router-config", default=None, help="JSON router policy: rules choosing deterministic requests")
+    p.add_argument(
+        "--deterministic-default",
+        action="store_true",
+        help="requests that do not say otherwise are deterministic (the router policy's default)",
+    )
     p.add_argument("--receipts", default=None, help="append a receipt of each deterministic response to FILE")
     p.add_argument(
         "--max-pending", type=_ranged(int, 1), default=1024, help="unfinished requests beyond this are answered 429"
@@ -189,10 +199,18 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
     )
     engine = LLMEngine(
-        EngineConfig(model=model, seed=args.seed, router_policy=args.router_config, **_engine_kwargs(args))  # type: ignore[arg-type]
+        EngineConfig(model=model, seed=args.seed, router_policy=serve_router_policy(args), **_engine_kwargs(args))  # type: ignore[arg-type]
     )
     run_server(engine, settings, host=args.host, port=args.port, access_log=args.access_log)
     return 0
+
+
+def serve_router_policy(args: argparse.Namespace) -> RouterPolicy:
+    """``--router-config``'s policy, its default turned on by ``--deterministic-default``."""
+    from sid.engine.inputs import router_policy
+
+    policy = router_policy(args.router_config)
+    return replace(policy, default=True) if args.deterministic_default else policy
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -523,14 +523,9 @@ def paged_attention(
     shape = (num_tokens, num_seqs, num_kv_heads, max_query_len, max_seq_len, q.device)
     fast = _fast_schedule(num_tokens, num_seqs, group, *shape[2:]) if any_fast else None
     canon = _canonical_schedule(group, *shape) if any_canonical else None
-    launches: list[tuple[_Schedule, int]]
-    if fast is not None and canon is not None and fast.shape == canon.shape:
-        launches = [(fast, _SERVE_FAST | _SERVE_CANONICAL)]
-    else:
-        launches = [(s, bit) for s, bit in ((fast, _SERVE_FAST), (canon, _SERVE_CANONICAL)) if s is not None]
-    # Partial slots per row: as many as the splits of a schedule whose programs leave partials.
-    slots = max((triton.cdiv(max_seq_len, s.split_size) for s in (fast, canon) if s is not None and _splits(s, max_seq_len)),
-                default=1)
+    # Per schedule: its splits per row, and whether its programs leave partials for the combine.
+    splits = {s: triton.cdiv(max_seq_len, s.split_size) for s in (fast, canon) if s is not None}
+    slots = max([n for s, n in splits.items() if n > s.group] or [1])
     if slots > 1:
         part_acc = torch.empty((num_tokens, num_heads, slots, max(16, triton.next_power_of_2(head_dim))),
                                dtype=torch.float32, device=q.device)
@@ -538,15 +533,20 @@ def paged_attention(
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = _unused_partials(q.device)
-    for sched, serve in launches:
-        _launch(q, k_cache, v_cache, out, (part_acc, part_max, part_sum), block_tables, seq_lens, query_start_loc,
-                flags, scale, sched, serve, fast, canon, slots, max_seq_len, block_size, group, head_dim)
+    args = (
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum, block_tables, seq_lens, query_start_loc, flags,
+        fast.split_size if fast is not None else 1, canon.split_size if canon is not None else 1,
+        canon.group if canon is not None else 1, slots, scale, block_size, group, head_dim,
+    )
+    if fast is not None and canon is not None and fast.shape == canon.shape:
+        programs = max(-(-n // s.group) for s, n in splits.items())
+        _launch(*args, fast, _SERVE_FAST | _SERVE_CANONICAL, programs, slots > 1)
+    else:
+        for sched, serve in ((fast, _SERVE_FAST), (canon, _SERVE_CANONICAL)):
+            if sched is not None:
+                n = splits[sched]
+                _launch(*args, sched, serve, -(-n // sched.group), n > sched.group)
     return out
-
-
-def _splits(sched: _Schedule, max_seq_len: int) -> bool:
-    """Whether rows of this schedule may span more splits than one program folds."""
-    return triton.cdiv(max_seq_len, sched.split_size) > sched.group
 
 
 def _launch(
@@ -554,35 +554,32 @@ def _launch(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     out: torch.Tensor,
-    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    part_acc: torch.Tensor,
+    part_max: torch.Tensor,
+    part_sum: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     flags: torch.Tensor,
-    scale: float,
-    sched: _Schedule,
-    serve: int,
-    fast: _Schedule | None,
-    canon: _Schedule | None,
+    fast_split: int,
+    canonical_split: int,
+    canonical_group: int,
     slots: int,
-    max_seq_len: int,
+    scale: float,
     block_size: int,
     group: int,
     head_dim: int,
+    sched: _Schedule,
+    serve: int,
+    programs: int,
+    combine: bool,
 ) -> None:
-    """One attention launch over the sequences of the schedules in ``serve``, and its combine."""
+    """One attention launch over the sequences of the schedules in ``serve`` (``programs`` per
+    query block and KV head along the keys), and the combine of their partials."""
     num_tokens, num_seqs, num_kv_heads = q.shape[0], seq_lens.shape[0], k_cache.shape[2]
-    served = [s for s, bit in ((fast, _SERVE_FAST), (canon, _SERVE_CANONICAL)) if s is not None and serve & bit]
-    programs = max(triton.cdiv(triton.cdiv(max_seq_len, s.split_size), s.group) for s in served)
-    splits = (
-        fast.split_size if fast is not None else 1,
-        canon.split_size if canon is not None else 1,
-        canon.group if canon is not None else 1,
-    )
     block_q = sched.block_m // group
     dim = max(16, triton.next_power_of_2(head_dim))
     grid = (num_tokens // block_q + 2 * num_seqs, num_kv_heads)
-    part_acc, part_max, part_sum = partials
     _attention_kernel[(*grid, programs)](
         q,
         k_cache,
@@ -598,7 +595,9 @@ def _launch(
         scale * 1.4426950408889634,
         num_seqs,
         serve,
-        *splits,
+        fast_split,
+        canonical_split,
+        canonical_group,
         slots,
         *q.stride(),
         *out.stride(),
@@ -616,7 +615,7 @@ def _launch(
         num_warps=sched.num_warps,
         num_stages=sched.num_stages,
     )
-    if any(_splits(s, max_seq_len) for s in served):
+    if combine:
         _combine_kernel[grid](
             out,
             part_acc,
@@ -627,7 +626,9 @@ def _launch(
             flags,
             num_seqs,
             serve,
-            *splits,
+            fast_split,
+            canonical_split,
+            canonical_group,
             slots,
             *out.stride(),
             GROUP=group,

@@ -12,7 +12,9 @@ per shape, at every pass size it will use (``prove``), and the fingerprint recor
   bits at every M from 1 to 4,096. Torch reads the workspace size from
   ``CUBLAS_WORKSPACE_CONFIG``; this module sets it to ``:0:0`` before any GEMM runs, and gives
   cuBLASLt a workspace of its own (``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0``), unless the
-  environment already says otherwise.
+  environment already says otherwise. That workspace keeps torch's default size for
+  cuBLASLt (``CUBLASLT_WORKSPACE_SIZE``, 1 MiB), which the shared one capped it to before, so
+  the fast lane's cuBLASLt picks the kernels it picked without Sid.
 * ``cpu``: torch's CPU GEMM. Float32 changes a row's bits from 4 rows on; bf16 kept them for
   most shapes but not all (the trained test model's down projection changes at 33-333 rows).
 * ``tiled``: the rows in GEMMs of exactly ``tile`` rows each, the last one padded. At a fixed
@@ -43,11 +45,7 @@ from torch import nn
 
 from sid.runtime.faults import FAULTS, batch_noise
 
-for _name, _value in (
-    ("CUBLAS_WORKSPACE_CONFIG", ":0:0"),
-    ("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0"),
-    ("CUBLASLT_WORKSPACE_SIZE", "32768"),  # KiB: the 32 MiB torch gives Hopper by default
-):
+for _name, _value in (("CUBLAS_WORKSPACE_CONFIG", ":0:0"), ("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0")):
     os.environ.setdefault(_name, _value)
 
 CPU_TILE = 16
