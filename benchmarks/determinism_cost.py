@@ -172,6 +172,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
     ap.add_argument("--strategy", default="auto")
+    ap.add_argument("--dtype", default="auto", help="the engine's dtype (bfloat16 on a CPU: rows ride there too)")
     ap.add_argument("--canonical-rows", type=int, default=None)
     ap.add_argument("--max-canonical-rows", type=int, default=None, help="largest canonical pass (default: the engine's)")
     ap.add_argument("--verify-window", type=int, default=8)
@@ -196,6 +197,7 @@ def main() -> None:
         max_canonical_rows=args.max_canonical_rows,
         verify_window=args.verify_window,
         determinism_strategy=args.strategy,
+        dtype=args.dtype,
     )
     engine = llm.llm_engine
     vocab = engine.model_config.vocab_size

@@ -23,7 +23,7 @@ import torch
 
 from sid import LLM, SamplingParams
 from sid.engine.plan import PassSizes, ScheduledChunk
-from sid.engine.selftest import synthetic_request
+from sid.engine.selftest import DeterminismSelfTestError, synthetic_request
 from sid.repro import Repro, summarize
 from sid.runtime.faults import FAULTS
 from sid.runtime.gemm import GemmPath, prove, prove_plan
@@ -193,3 +193,16 @@ def test_gemm_proof_tells_invariant_paths_from_others() -> None:
     plan, failures = prove_plan([(weight, None), (weight, None)], (GemmPath("cpu"), GemmPath("cpu", 16)), list(sizes))
     assert plan == {(256, 384, False): GemmPath("cpu", 16)} and list(failures) == ["256x384 cpu"]
     assert prove_plan([(weight, None)], (GemmPath("cpu"),), list(sizes))[0] is None
+
+
+def test_riding_rows_that_see_their_company_make_the_self_test_refuse(
+    trained_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(FAULTS, "canonical_cross_row", 1e-3)
+    with pytest.raises(DeterminismSelfTestError, match="not independent on this machine"):
+        LLM(str(trained_model), num_kv_blocks=64, **BF16)
+
+
+def test_a_self_test_with_no_room_names_the_settings(trained_model: Path) -> None:
+    with pytest.raises(DeterminismSelfTestError, match=r"max_model_len=2 .*\(num_kv_blocks"):
+        LLM(str(trained_model), num_kv_blocks=64, max_model_len=2, **BF16)

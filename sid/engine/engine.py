@@ -31,7 +31,7 @@ from sid.model.decoder import Shard
 from sid.model.loader import build_model
 from sid.outputs import RequestOutput
 from sid.runtime.attention import PagedKVCache, get_backend
-from sid.runtime.cuda_graphs import CUDAGraphs
+from sid.runtime.cuda_graphs import CUDAGraphs, decode_buckets
 from sid.runtime.gemm import CPU_TILE, candidates, fast_path, pad_floors, prove_plan
 from sid.runtime.model_runner import ChunkResult, ModelRunner, placeholder
 from sid.runtime.tp_worker import TPWorkers, WorkerSpec
@@ -151,7 +151,10 @@ class LLMEngine:
         if self.device.type == "cuda" and not config.enforce_eager and self.workers is None:
             max_batch = min(config.max_num_seqs, 256)
             canonical_lane = config.enable_determinism and not self.ride
-            canonical_graphs = [s for s in self.canonical.sizes if s <= max(max_batch, self.canonical.base)]
+            # Canonical passes padded to a decode bucket's size replay a graph (with proven
+            # GEMMs the sizes are too many to capture them all).
+            buckets = set(decode_buckets(max(max_batch, self.canonical.base)))
+            canonical_graphs = [s for s in self.canonical.sizes if s in buckets]
             invariant = self.model.gemms.invariant
             self.runner.graphs = CUDAGraphs(
                 self.model,

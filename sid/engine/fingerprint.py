@@ -1,11 +1,13 @@
 """The numerics fingerprint (DESIGN 3.2): same fingerprint + same request => same bits.
 
-It hashes everything that fixes the canonical numerics: the canonical row count, the GEMM
-library, dtype, tensor-parallel size, the attention backend's fixed constants, the source of every module
-on the numerics path, library versions, the processor (GPU model, or CPU model, ISA and
-thread count) and a digest of the weights. Engine settings that must *not* matter (KV pool
-size, max_num_seqs, prefix caching, CUDA graphs, verify window, chunk sizes, the largest
-canonical pass: the self-test checks that every pass size gives a row the same bits) stay out.
+It hashes everything that fixes the canonical numerics: the GEMM path of every weight shape
+(where they are proven row-invariant at every row count; otherwise the GEMM library and the
+canonical row count), dtype, tensor-parallel size, the attention backend's fixed constants,
+the source of every module on the numerics path, library versions, the processor (GPU model,
+or CPU model, ISA and thread count) and a digest of the weights. Engine settings that must
+*not* matter (KV pool size, max_num_seqs, prefix caching, CUDA graphs, verify window, chunk
+sizes, pass sizes, the determinism strategy, the padding of small GEMMs: the self-test
+checks that pass sizes and company leave a row's bits alone) stay out.
 """
 
 from __future__ import annotations

@@ -92,7 +92,11 @@ class SelfTest:
         probe = 2 * max(self.m, 32) + 37
         self.n = min(probe, max_model_len - 1, capacity - sum(cdiv(len(f), bs) * bs for f in self.fillers))
         if self.n < 2:
-            raise DeterminismSelfTestError(f"the KV cache ({capacity} token slots) is too small for the self-test")
+            raise DeterminismSelfTestError(
+                f"the self-test needs a probe of 2 tokens or more: max_model_len={max_model_len} and a KV cache of "
+                f"{capacity} token slots leave {max(self.n, 0)}; raise them (num_kv_blocks, cpu_kv_cache_bytes or "
+                "gpu_memory_utilization), or pass enable_determinism=False"
+            )
         self.probe = torch.randint(0, runner.vocab_size, (self.n,), generator=gen).tolist()
         self._ids = count()
 

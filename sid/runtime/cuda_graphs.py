@@ -11,11 +11,12 @@ capture; rows with shorter contexts skip the empty tiles. Sampling stays outside
   ``canonical_seqs`` says, so one graph serves fast steps and steps where deterministic rows
   ride (DESIGN 1b); when those need other GEMM paths than the fast lane's, each bucket has a
   second graph with the row-invariant GEMMs (``GraphShape.invariant``).
-* The canonical graph (DESIGN 3.1) runs exactly ``canonical_rows`` rows, as the eager
-  canonical pass of that size does (larger canonical passes, mostly prompts, run eagerly), over ``canonical_rows + 1`` sequence slots (a pass has at most one
-  sequence per row plus the padding sequence); unused slots have no query rows, so the
-  attention kernel skips them. Its schedule depends on positions only, so replaying it gives
-  the eager canonical pass's bits (tests/test_gpu.py checks this).
+* A canonical graph (DESIGN 3.1, the windowed lane) runs a canonical pass of one size, as the
+  eager pass of that size does (larger canonical passes, mostly prompts, run eagerly), over
+  one sequence slot more than rows (a pass has at most one sequence per row plus the padding
+  sequence); unused slots have no query rows, so the attention kernel skips them. Its
+  schedule depends on positions only, so replaying it gives the eager canonical pass's bits
+  (tests/test_gpu.py checks this).
 """
 
 from __future__ import annotations

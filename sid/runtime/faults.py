@@ -19,7 +19,8 @@ class Faults:
     fast_lane_logit_noise: float = 0.0
     """Noise added to fast-lane logits, drawn from a generator seeded by the batch size."""
     canonical_cross_row: float = 0.0
-    """Added to canonical logits, scaled by a function of every input token in the pass."""
+    """Added to the logits of canonical passes and of passes with riding rows, scaled by a
+    function of every input token in the pass."""
     broken_pass_size: int = 0
     """Canonical passes of this many rows get perturbed logits: one size that changes bits."""
     fast_attention_noise: float = 0.0

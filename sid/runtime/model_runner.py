@@ -311,8 +311,7 @@ class ModelRunner:
         """
         rows = PassRows()
         num_rows = sum(c.num_tokens for c in chunks)
-        graphed = ride and self._graph_runs(False, False, num_rows, len(chunks), ride)
-        size = self.canonical.fit(num_rows) if canonical or (ride and not graphed) else num_rows
+        size = self.canonical.fit(num_rows) if canonical else num_rows
         every_row = canonical and (size == self.canonical.base or self.graphed(size))
         for i, chunk in enumerate(chunks):
             r = chunk.request
@@ -334,6 +333,8 @@ class ModelRunner:
                 rows.sample_rows.append((row0 + chunk.num_tokens - 1, i))
             last = rows.sample_rows[-1] if rows.sample_rows else None
             rows.token_rows.append(len(rows.sample_rows) - 1 if last is not None and last[1] == i else None)
+        if ride and not self._graph_runs(False, bool(rows.prompt_rows), num_rows, len(chunks), ride):
+            size = self.canonical.fit(num_rows)  # a decode graph pads to its bucket instead
         rows.pad = size - num_rows
         rows.input_ids.extend([0] * rows.pad)
         rows.positions.extend(range(rows.pad))
@@ -407,9 +408,9 @@ class ModelRunner:
             logits = self.forward(step, fed)
         if logits is None:
             return launched
+        if FAULTS.canonical_cross_row and (canonical or ride):  # rows that see their company
+            logits = logits + FAULTS.canonical_cross_row * float(sum(input_ids) % 7)
         if canonical:
-            if FAULTS.canonical_cross_row:
-                logits = logits + FAULTS.canonical_cross_row * float(sum(input_ids) % 7)
             if FAULTS.broken_pass_size == len(input_ids):
                 logits = logits + 1e-3
             sample_logits = logits
