@@ -49,6 +49,22 @@ def det(max_tokens: int = 32, **kw: object) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, deterministic=True, **{"temperature": 0.0, **kw})
 
 
+def fresh_process_output(model: Path, windowed: bool = False, **llm_kwargs: object) -> tuple[list[int], str]:
+    """Tokens and fingerprint of ``PROMPT``'s greedy deterministic run in a new interpreter,
+    on the windowed lane's faults (``windowed_lane``) if asked."""
+    faults = "FAULTS.no_invariant_gemms = True; FAULTS.fast_gemm_tile = 32;" if windowed else ""
+    code = (
+        f"import json; from sid import LLM, SamplingParams; from sid.runtime.faults import FAULTS; {faults}"
+        f"o = LLM({str(model)!r}, **{llm_kwargs!r}).generate({PROMPT!r}, SamplingParams(max_tokens=32, "
+        "temperature=0, ignore_eos=True, deterministic=True), use_tqdm=False)[0];"
+        "print(json.dumps([o.outputs[0].token_ids, o.fingerprint]))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    tokens, fingerprint = json.loads(proc.stdout.strip().splitlines()[-1])
+    return tokens, fingerprint
+
+
 def crowd_params(n: int) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=10 + 3 * i, temperature=1.0, seed=i, ignore_eos=True) for i in range(n)]
 
@@ -277,15 +293,7 @@ def test_same_bits_under_other_settings_and_in_a_fresh_process(trained_model: Pa
         assert outs[0].outputs[0].token_ids == reference["greedy"], settings
         fingerprints.add(outs[0].fingerprint)
     assert len(fingerprints) == 1
-    code = (
-        "import json, sys; from sid import LLM, SamplingParams;"
-        f"o = LLM({str(trained_model)!r}).generate({PROMPT!r}, SamplingParams(max_tokens=32, temperature=0, "
-        "ignore_eos=True, deterministic=True), use_tqdm=False)[0];"
-        "print(json.dumps([o.outputs[0].token_ids, o.fingerprint]))"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    tokens, fingerprint = json.loads(proc.stdout.strip().splitlines()[-1])
+    tokens, fingerprint = fresh_process_output(trained_model, windowed=True)
     assert tokens == reference["greedy"] and fingerprint in fingerprints
 
 
