@@ -131,10 +131,11 @@ def paged_attention_canonical_ref(
 ) -> torch.Tensor:
     """Canonical-schedule reference: fixed tiles at absolute positions, fixed combine order.
 
-    All rows advance through tile ``t = 0, 1, ...`` together; a tile entirely past a row's
-    position is an exact no-op for it (its scores are -inf, so the running max, sum and
-    accumulator are unchanged bit for bit). Every op runs on the whole batch of rows, so at
-    a fixed row count (the canonical pass) a row cannot see its neighbours.
+    Rows advance through tile ``t = 0, 1, ...``; a row whose position is before a tile skips
+    it, which is what a pass over it would compute bit for bit (its scores would all be -inf,
+    leaving the running max, sum and accumulator unchanged). Every op acts on each row with
+    shapes of its own (its keys are gathered per row, its GEMMs are ``group x head_dim`` by
+    ``head_dim x tile``), so a row cannot see the other rows, nor how many there are.
     """
     n, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -149,23 +150,24 @@ def paged_attention_canonical_ref(
     num_tiles = (int(pos.max()) // tile + 1) if n else 0
     offsets = torch.arange(tile, device=q.device)
     for t in range(num_tiles):
-        key_pos = t * tile + offsets  # [tile]
-        kp = key_pos[None, :].expand(n, tile)
+        rows = (pos >= t * tile).nonzero()[:, 0]  # the rows that reach this tile (prefill: a triangle)
+        r_pos = pos[rows]
+        kp = (t * tile + offsets)[None, :].expand(len(rows), tile)
         # Keys past a row's position are masked anyway; gather the row's own last key in their
         # place, so unwritten slots and unused block-table entries are never read.
-        read_pos = torch.minimum(kp, pos[:, None])
-        slots = _slots(block_tables, seq_idx[:, None].expand(n, tile), read_pos, block_size)
-        k = flat_k[slots].float().permute(0, 2, 3, 1)  # [n, kvh, d, tile]
-        v = flat_v[slots].float().permute(0, 2, 1, 3)  # [n, kvh, tile, d]
-        scores = torch.matmul(qf, k)  # [n, kvh, group, tile]
-        valid = (kp <= pos[:, None])[:, None, None, :]
-        scores = scores.masked_fill(~valid, float("-inf"))
-        m_new = torch.maximum(m, scores.amax(dim=-1))
+        read_pos = torch.minimum(kp, r_pos[:, None])
+        slots = _slots(block_tables, seq_idx[rows][:, None].expand(len(rows), tile), read_pos, block_size)
+        k = flat_k[slots].float()  # [rows, tile, kvh, d]
+        v = flat_v[slots].float()
+        scores = torch.einsum("nkgd,ntkd->nkgt", qf[rows], k)
+        scores = scores.masked_fill(~(kp <= r_pos[:, None])[:, None, None, :], float("-inf"))
+        m_old = m[rows]
+        m_new = torch.maximum(m_old, scores.amax(dim=-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(scores - m_safe[..., None])
-        alpha = torch.exp(m - m_safe)
-        denom = denom * alpha + p.sum(dim=-1)
-        acc = acc * alpha[..., None] + torch.matmul(p, v)
-        m = m_new
+        alpha = torch.exp(m_old - m_safe)
+        denom[rows] = denom[rows] * alpha + p.sum(dim=-1)
+        acc[rows] = acc[rows] * alpha[..., None] + torch.einsum("nkgt,ntkd->nkgd", p, v)
+        m[rows] = m_new
     out = acc / denom[..., None]
     return out.view(n, num_heads, head_dim).to(q.dtype)
