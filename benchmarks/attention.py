@@ -3,7 +3,8 @@
 Checks the Triton kernels against the torch references at Llama-3.1-8B (32 q heads, 8 KV heads)
 and Qwen3-0.6B (16/8) attention shapes (head_dim 128, bf16, block_size 16), checks that
 canonical rows keep their bits in differently composed batches, then times decode steps
-(batch x context) and a prefill for both schedules with ``triton.testing.do_bench`` (median).
+(batch x context), prefills and a chunk after a cached prefix, for both schedules, with
+``triton.testing.do_bench`` (median).
 The floor is bytes moved over the HBM bandwidth measured in the same run (a ``sum`` over a
 ~4 GB bf16 tensor); for prefill also FLOPs over the bf16 matmul rate measured likewise.
 
@@ -59,8 +60,8 @@ class Sizes:
     """Canonical bit-identity target: context length, number of trailing rows checked."""
     batches: list[int]
     contexts: list[int]
-    prefill: tuple[int, int]
-    """(sequences, tokens each) of the prefill timing."""
+    prefill: list[tuple[int, int, int]]
+    """Prefill timings: (sequences, chunk tokens each, cached prefix tokens before the chunk)."""
     bandwidth_bytes: int
     matmul_n: int
 
@@ -69,9 +70,9 @@ FULL = Sizes(
     models={"llama-3.1-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)},
     check_shapes=[(8192, 1), (4096, 1), (2 * SPLIT + 500, 512), (700, 700), (33, 1), (1500, 0), (2100, 37)],
     target=(3 * SPLIT + 28, 100),
-    batches=[1, 8, 32, 64, 128, 256],
-    contexts=[512, 2048, 8192],
-    prefill=(8, 2048),
+    batches=[1, 8, 64, 256],
+    contexts=[512, 8192, 32768],
+    prefill=[(8, 2048, 0), (2, 8192, 0), (1, 32768, 0), (1, 2048, 16384)],
     bandwidth_bytes=4 << 30,
     matmul_n=8192,
 )
@@ -81,7 +82,7 @@ SMOKE = Sizes(
     target=(SMOKE_SPLIT + 16, 24),
     batches=[1, 2],
     contexts=[64, SMOKE_SPLIT + 64],
-    prefill=(2, 32),
+    prefill=[(2, 32, 0), (1, 16, 48)],
     bandwidth_bytes=64 << 20,
     matmul_n=256,
 )
@@ -249,7 +250,7 @@ def time_model(
     device: torch.device,
     smoke: bool,
 ) -> list[dict]:
-    """Decode steps over the batch x context grid, then one prefill; both schedules."""
+    """Decode steps over the batch x context grid, then the prefill cases; both schedules."""
     elem = torch.finfo(DTYPE).bits // 8
     kv_per_token = 2 * kv_heads * head_dim * elem
     cases = [(b, c) for b in sizes.batches for c in sizes.contexts if b * c * kv_per_token <= MEMORY_CAP]
@@ -273,42 +274,65 @@ def time_model(
             )
     del pool_k, pool_v
 
-    seqs, length = sizes.prefill
-    tokens = seqs * length
-    shape = (triton.cdiv(tokens, BLOCK_SIZE), BLOCK_SIZE, kv_heads, head_dim)
-    k_cache = torch.empty(shape, dtype=DTYPE, device=device)
-    v_cache = torch.empty_like(k_cache)
+    for seqs, length, prefix in sizes.prefill:
+        rows += time_prefill(heads, kv_heads, head_dim, seqs, length, prefix, bandwidth, flops, device, smoke)
+    return rows
+
+
+def time_prefill(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    seqs: int,
+    length: int,
+    prefix: int,
+    bandwidth: float,
+    flops: float,
+    device: torch.device,
+    smoke: bool,
+) -> list[dict]:
+    """``seqs`` prompt chunks of ``length`` tokens after ``prefix`` cached ones (K/V stored first,
+    as the engine does): the store, then attention in both schedules."""
+    elem = torch.finfo(DTYPE).bits // 8
+    context = prefix + length
+    tokens, cached = seqs * length, seqs * context
+    shape = (triton.cdiv(cached, BLOCK_SIZE) + seqs, BLOCK_SIZE, kv_heads, head_dim)
+    k_cache = torch.randn(shape, dtype=DTYPE, device=device)
+    v_cache = torch.randn_like(k_cache)
+    per_seq = triton.cdiv(context, BLOCK_SIZE)
+    table = torch.randperm(shape[0], device=device)[: seqs * per_seq].view(seqs, per_seq).to(torch.int32)
+    pos = torch.arange(prefix, context, device=device)
+    slots = (table[:, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE).flatten()
     key = torch.randn(tokens, kv_heads, head_dim, dtype=DTYPE, device=device)
     value = torch.randn_like(key)
-    slots = torch.randperm(shape[0], device=device)[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=device)
-    slots = slots.flatten()[:tokens].contiguous()
+    case = dict(kind="prefill", batch=seqs, context=length, prefix=prefix)
+
     def store() -> None:
         store_kv(key, value, k_cache, v_cache, slots)
 
-    rows.append(
-        dict(kind="store_kv", batch=seqs, context=length, schedule="-", ms=bench(store, smoke),
-             graph_ms=bench_graph(store, smoke), floor_ms=4 * key.numel() * elem / bandwidth * 1e3)
-    )
-    table = (slots[::BLOCK_SIZE] // BLOCK_SIZE).view(seqs, length // BLOCK_SIZE).to(torch.int32)
+    rows = [
+        dict(case, kind="store_kv", schedule="-", ms=bench(store, smoke), graph_ms=bench_graph(store, smoke),
+             floor_ms=4 * key.numel() * elem / bandwidth * 1e3)
+    ]
     q = torch.randn(tokens, heads, head_dim, dtype=DTYPE, device=device)
-    seq_lens = torch.full((seqs,), length, dtype=torch.int32, device=device)
+    seq_lens = torch.full((seqs,), context, dtype=torch.int32, device=device)
     query_start_loc = torch.arange(seqs + 1, dtype=torch.int32, device=device) * length
     out = torch.empty_like(q)
-    causal_pairs = seqs * length * (length + 1) // 2
-    flop = 4 * heads * head_dim * causal_pairs
-    floor_bytes = tokens * kv_per_token + 2 * q.numel() * elem
+    flop = 4 * heads * head_dim * seqs * (length * prefix + length * (length + 1) // 2)
+    floor_bytes = cached * 2 * kv_heads * head_dim * elem + 2 * q.numel() * elem
     for canonical in (False, True):
         def prefill() -> None:
             paged_attention(
-                q, k_cache, v_cache, table, seq_lens, query_start_loc, scale,
-                canonical=canonical, out=out, max_query_len=length, max_seq_len=length,
+                q, k_cache, v_cache, table, seq_lens, query_start_loc, head_dim**-0.5,
+                canonical=canonical, out=out, max_query_len=length, max_seq_len=context,
             )
 
         ms = bench(prefill, smoke)
+        graph_ms = bench_graph(prefill, smoke)
         rows.append(
-            dict(kind="prefill", batch=seqs, context=length, schedule="canonical" if canonical else "fast", ms=ms,
-                 graph_ms=bench_graph(prefill, smoke), floor_ms=max(floor_bytes / bandwidth, flop / flops) * 1e3,
-                 tflops=flop / (ms * 1e-3) / 1e12)
+            dict(case, schedule="canonical" if canonical else "fast", ms=ms, graph_ms=graph_ms,
+                 floor_ms=max(floor_bytes / bandwidth, flop / flops) * 1e3,
+                 tflops=flop / ((graph_ms or ms) * 1e-3) / 1e12)
         )
     return rows
 
@@ -346,15 +370,17 @@ def main() -> None:
 
     print(f"\n{result['device']}: read bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     print(
-        f"{'model':<14}{'kind':<9}{'batch':>6}{'context':>8}{'schedule':>10}{'ms':>9}{'graph ms':>9}"
-        f"{'floor ms':>9}{'floor/graph':>12}"
+        f"{'model':<14}{'kind':<9}{'batch':>6}{'context':>12}{'schedule':>10}{'ms':>9}{'graph ms':>9}"
+        f"{'floor ms':>9}{'floor/graph':>12}{'TFLOP/s':>8}"
     )
     for name, rows in result["timings"].items():
         for r in rows:
             ratio = r["floor_ms"] / r["graph_ms"] if r["graph_ms"] else None
+            context = f"{r['prefix']}+{r['context']}" if r.get("prefix") else str(r["context"])
             print(
-                f"{name:<14}{r['kind']:<9}{r['batch']:>6}{r['context']:>8}{r['schedule']:>10}{r['ms']:>9.4f}"
+                f"{name:<14}{r['kind']:<9}{r['batch']:>6}{context:>12}{r['schedule']:>10}{r['ms']:>9.4f}"
                 f"{_fmt(r['graph_ms'], '.4f'):>9}{r['floor_ms']:>9.4f}{_fmt(ratio, '.2f'):>12}"
+                f"{_fmt(r.get('tflops'), '.0f'):>8}"
             )
     print(f"results: {path}")
 

@@ -77,7 +77,8 @@ def candidates(smoke: bool, block_ms: list[int], tiles: list[int], splits: list[
     if smoke:
         return [dict(pa.CANONICAL_CONFIG), {**pa.CANONICAL_CONFIG, "kv_split": 2 * pa.CANONICAL_CONFIG["kv_split"]}]
     grid = itertools.product(block_ms, tiles, splits, warps)
-    return [dict(block_m=m, kv_tile=t, kv_split=s, num_warps=w, num_stages=3) for m, t, s, w in grid if s % t == 0]
+    base = pa.CANONICAL_CONFIG
+    return [{**base, "block_m": m, "kv_tile": t, "kv_split": s, "num_warps": w} for m, t, s, w in grid if s % t == 0]
 
 
 def _ints(text: str) -> list[int]:

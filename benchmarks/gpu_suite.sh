@@ -7,6 +7,8 @@
 #        repro_trained repro_llama serve profile_qwen profile_qwen_lockstep profile_qwen_det profile_llama prefill prefill_qwen
 #        pass_costs_qwen pass_costs_llama (passes timed queued or one at a time, at a context or at position 0)
 #        host_profile (py-spy samples of the engine's host thread, Qwen at 0 and 100 %; needs the py-spy wheel in .carry/wheels)
+#        host_profile_zero (the same at 0 %, for this code and the code in .carry/base)
+#        attention (the Triton kernels, both schedules, against the floors: decode, prefill, a chunk after a cached prefix)
 #        gemm_paths (which GEMM path keeps a row's bits at every row count, per shape, and its cost)
 #        cost_qwen_tail cost_llama_tail (the cost of determinism on the long-tailed workload: log-normal lengths)
 #        base_qwen base_llama (0 % deterministic on the code in .carry/base, the commit a change is measured
@@ -66,6 +68,14 @@ step() {
     host_profile) python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .carry/wheels/py_spy-*.whl &&
       run_step host_profile 200 /tmp/pyspy/bin/py-spy record --nonblocking -r 100 --format raw -o "$RES/host_profile.txt" -- \
         python3 benchmarks/determinism_cost.py --model qwen3-0.6b --repeats 1 --fractions 0,1.0 --out "$RES/host_profile" ;;
+    host_profile_zero) python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .carry/wheels/py_spy-*.whl &&
+      for code in current base; do
+        src=$PWD; [ $code = base ] && src=$PWD/.carry/base
+        run_step host_zero_$code 200 env PYTHONPATH=$src /tmp/pyspy/bin/py-spy record --nonblocking -r 50 --format raw \
+          -o "$RES/host_zero_$code.txt" -- python3 $src/benchmarks/determinism_cost.py --model qwen3-0.6b --fractions 0 \
+          --repeats 2 --out "$RES/host_zero_$code"
+      done ;;
+    attention) run_step attention 400 python3 benchmarks/attention.py --out "$RES" ;;
     cost_qwen_tail) run_step cost_qwen_tail 400 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --workload lognormal --repeats "${REPEATS:-1}" $COST_ARGS --out "$RES/qwen_tail" ;;
     cost_llama_tail) run_step cost_llama_tail 500 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --workload lognormal --repeats "${REPEATS:-1}" $COST_ARGS --out "$RES/llama_tail" ;;
     cost_llama_base_recheck) run_step cost_llama_recheck 300 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --fractions 0,0.02 --repeats 2 --out "$RES/llama_recheck" ;;

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sid import LLM, SamplingParams
-from sid.engine.calibrate import measure_pass_costs
+from sid.engine.calibrate import measure_pass_costs, warm_up
 from sid.engine.request import Request
 from sid.engine.plan import Demand, ScheduledChunk, StepPlan
 from sid.engine.windowed import MeasuredPassCost
@@ -86,6 +86,21 @@ def test_start_up_timing_covers_every_kind_of_pass_and_gives_the_blocks_back(tra
     small = LLM(str(trained_model), num_kv_blocks=16).llm_engine
     assert measure_pass_costs(small.runner, small.kv, small.canonical_domain, fast_graph_rows=0, graph_rows=0,
                               max_rows=256, chunk_len=48, context=8) is None
+    assert small.kv.pool.num_free == 16
+
+
+def test_warm_up_runs_each_prompt_pass_once_and_gives_the_blocks_back(trained_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no pass timing runs (riding rows, determinism off), the engine runs prompt passes
+    once at start-up so their kernels compile there, not in the first requests' steps."""
+    engine = LLM(str(trained_model), num_kv_blocks=128).llm_engine
+    runner, free = engine.runner, engine.kv.pool.num_free
+    passes: list[int] = []
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda chunks, *a, **k: passes.append(sum(c.num_tokens for c in chunks)) or execute(chunks, *a, **k))
+    warm_up(runner, engine.kv, engine.canonical_domain, max_rows=300, chunk_len=48)
+    assert passes == [16, 256, 300] and engine.kv.pool.num_free == free
+    small = LLM(str(trained_model), num_kv_blocks=16).llm_engine
+    warm_up(small.runner, small.kv, small.canonical_domain, max_rows=256, chunk_len=48)  # no room: nothing runs
     assert small.kv.pool.num_free == 16
 
 

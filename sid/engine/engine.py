@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from sid.config import EngineConfig
-from sid.engine.calibrate import measure_pass_costs
+from sid.engine.calibrate import measure_pass_costs, warm_up
 from sid.engine.inflight import Planned, StepInFlight
 from sid.engine.fingerprint import numerics_fingerprint, processor, source_digest, weights_digest
 from sid.engine.inputs import InputProcessor, PromptType, eos_token_ids, load_tokenizer, router_policy
@@ -188,12 +188,13 @@ class LLMEngine:
         self._steps = 0
         self._in_flight: StepInFlight | None = None
         self.async_scheduling = config.async_scheduling_for(self.device)
+        cuda_timed = self.device.type == "cuda" and config.enable_determinism and not self.ride
         if config.enable_determinism:
             self.canonical = self_test(self.runner, self.kv, self.canonical_domain, self.max_model_len)
             windowed.canonical = self.runner.canonical = self.canonical
             windowed.graph_rows = max((s for s in self.canonical.sizes if self.runner.graphed(s)), default=0)
             windowed.fast_graph_rows = self.runner.graphs.buckets[-1] if self.runner.graphs is not None else 0
-            if self.device.type == "cuda" and not self.ride:
+            if cuda_timed:
                 measured = measure_pass_costs(
                     self.runner,
                     self.kv,
@@ -206,7 +207,10 @@ class LLMEngine:
                     launches=4 if self.async_scheduling else 1,  # lockstep: a pass's host and GPU time add up
                 )
                 windowed.cost_model = measured or GPU_COST
-            self.kv.stats = PrefixCacheStats()
+        if self.device.type == "cuda" and not cuda_timed:  # timing the passes compiled their kernels
+            warm_up(self.runner, self.kv, self.canonical_domain, max_rows=config.max_num_batched_tokens,
+                    chunk_len=min(1024, self.max_model_len - 1))
+        self.kv.stats = PrefixCacheStats()
 
     def _prove_gemms(self, sizes: PassSizes) -> None:
         """Prove, per weight shape, a GEMM path that gives a row the same bits at every pass
