@@ -233,6 +233,12 @@ def _target_variants(dtype: torch.dtype) -> tuple[Pool, list[Variant]]:
             ],
             [(1, FIRST), (2, SPLIT), (4, LAST)],
         ),
+        # Every target position as a lone decode row: decode steps take smaller query blocks
+        # than steps with prompt rows, and each row must still get the bits of a prompt chunk.
+        (
+            [target(copy if p % 2 else home, p, p) for p in range(FIRST, LAST + 1)],
+            [(p - FIRST, p) for p in range(FIRST, LAST + 1)],
+        ),
     ]
     return pool, variants
 

@@ -188,9 +188,10 @@ def self_test(runner: ModelRunner, kv: KVCacheManager, domain: str, max_model_le
     speed, not the guarantee)."""
     test = SelfTest(runner, kv, domain, max_model_len)
     m = test.m
-    if test.proven:  # alone, one row per pass as in a lone decode, then in chunks; then crowded, at any size
+    if test.proven:  # alone: lone rows (decode steps) first and last, chunks between; then crowded, at any size
         chunk = min(16, runner.canonical.max)
-        alone = test.fresh(chunk, lambda i: 1 if i < 8 else chunk, lambda i: 0)
+        singles = 8 + (test.n - 16) // chunk  # the pass from which the last 8 or more rows go alone
+        alone = test.fresh(chunk, lambda i: 1 if i < 8 or i >= singles else chunk, lambda i: 0)
         crowded = test.fresh(min(64, runner.canonical.max), lambda i: (7, 13, 29, 5)[i % 4], lambda i: (3, 30, 1, 17)[i % 4])
     else:
         alone = test.fresh(m, lambda i: m, lambda i: 0)
