@@ -10,17 +10,21 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import asdict, replace
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from sid import LLM, SamplingParams
 from sid.engine.selftest import DeterminismSelfTestError
+from sid.runtime.distributed import STEP, ControlChannel, ControlReceiver
 from sid.runtime.faults import FAULTS
+from sid.runtime.model_runner import StepInputs
 from sid.runtime.tp_worker import TPGroupError
 from tests.test_determinism import CROWD, PROMPT, crowd_params, det
 from tests.test_models import PROMPTS, assert_close, hf_logits, record_logits
@@ -131,3 +135,60 @@ def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(trained
     with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's attention heads"):
         LLM(str(trained_model), tensor_parallel_size=4, device="cpu")
     assert not dist.is_initialized()
+
+
+def _plan(keys: list[int], rows: list[list[int]], **fields: object) -> StepInputs:
+    """A decode plan: one row per sequence, ``rows`` its blocks (zero-padded to a table)."""
+    table = np.zeros((len(rows), max(map(len, rows))), dtype=np.int32)
+    for i, blocks in enumerate(rows):
+        table[i, : len(blocks)] = blocks
+    n = len(keys)
+    lens = [16 * len(blocks) - i for i, blocks in enumerate(rows)]
+    step = StepInputs(
+        input_ids=[7 * k + 1 for k in range(n)],
+        positions=[length - 1 for length in lens],
+        slots=np.arange(n, dtype=np.int64) + 100,
+        block_tables=table,
+        seq_lens=lens,
+        query_start_loc=list(range(n + 1)),
+        canonical=False,
+        logit_rows=list(range(n)),
+        seq_keys=keys,
+    )
+    return replace(step, **fields)
+
+
+def test_plan_channel_sends_changed_table_entries_and_rebuilds_every_plan() -> None:
+    """Sequences that grow a block, leave, arrive, change places or repeat a key (self-test
+    probes), a padding row, and each flag: the worker decodes exactly rank 0's plan."""
+    read, write = os.pipe()
+    sender, receiver = ControlChannel([write]), ControlReceiver(read)
+    base = [list(range(10 * k, 10 * k + 6)) for k in range(8)]
+    plans = [
+        _plan(list(range(8)), base),
+        _plan(list(range(8)), [b + [90 + i] if i % 3 == 0 else b for i, b in enumerate(base)]),  # some take a block
+        _plan([5, 1, 9, 0], [base[5], base[1], [70, 71], base[0] + [90]], canonical=True, logit_rows=None),
+        _plan([0, 0, -1], [base[0] + [90], [3, 4], [0]], canonical_seqs=[1, 0, 0], invariant=True, logit_rows=[]),
+    ]
+    try:
+        sizes = []
+        for plan in plans:
+            before = sender.ints_sent
+            sender.send_step(plan)
+            sizes.append(sender.ints_sent - before)
+            kind, got = receiver.recv()
+            assert kind == STEP and isinstance(got, StepInputs)
+            sent, received = asdict(plan), asdict(got)
+            for name in ("slots", "block_tables"):
+                assert np.array_equal(sent.pop(name), received.pop(name)), name
+            sent.pop("seq_keys")
+            received.pop("seq_keys")
+            assert received == sent
+        # A header, then per sequence its id, position, slot, length, start, logit row and
+        # previous row (and one more start): the first plan adds whole rows of 6 blocks, the
+        # second only the 3 entries that changed (index and value).
+        layout = 8 + 7 * 8 + 1
+        assert sizes[:2] == [layout + 8 * 6, layout + 2 * 3]
+    finally:
+        sender.close()
+        os.close(read)

@@ -6,7 +6,7 @@ inherited, and unlike ``multiprocessing``'s spawn it never re-runs the user's ma
 (scripts need no ``if __name__ == "__main__"`` guard). It reads its ``WorkerSpec`` from
 the store, builds its own shard of the model and its own KV cache (its KV heads; the
 block count rank 0 chose), then loops: receive a plan, run its part of the forward pass,
-take part in the collectives.
+take part in the collectives. Plans arrive through a pipe (``ControlChannel``).
 
 A worker that dies must become a clear error in the engine, never a hang: rank 0 polls
 the workers' exit codes before each step, and when a collective fails it names the dead
@@ -40,8 +40,9 @@ from sid.runtime.distributed import (
     STEP,
     STOP,
     ControlChannel,
+    ControlReceiver,
     TPGroup,
-    init_groups,
+    init_group,
 )
 from sid.runtime.gemm import Gemms, fast_path
 from sid.runtime.model_runner import ModelRunner, StepInputs
@@ -79,24 +80,25 @@ class WorkerSpec:
         return torch.device("cuda", rank) if self.device_type == "cuda" else torch.device("cpu")
 
 
-def worker_main(rank: int, port: int) -> None:
-    """A worker's life; a failure leaves its traceback in the store for rank 0 to report."""
+def worker_main(rank: int, port: int, fd: int) -> None:
+    """A worker's life, its plans read from the pipe ``fd``; a failure leaves its traceback
+    in the store for rank 0 to report."""
     store = dist.TCPStore(_HOST, port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     try:
-        _serve(pickle.loads(store.get(f"{_KEY}/spec")), rank, store)
+        _serve(pickle.loads(store.get(f"{_KEY}/spec")), rank, store, ControlReceiver(fd))
     except BaseException:
         with suppress(Exception):  # the store is gone when rank 0 is
             store.set(f"{_KEY}/error/{rank}", traceback.format_exc())
         raise
 
 
-def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore) -> None:
+def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore, control: ControlReceiver) -> None:
     torch.set_num_threads(spec.num_threads)
     device = spec.device(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store.set(f"{_KEY}/joined/{rank}", "1")
-    control = ControlChannel(init_groups(store, rank, spec.size, device))
+    init_group(store, rank, spec.size, device, COLLECTIVE_TIMEOUT)
     path = Path(spec.model)
     model = build_model(
         ModelConfig.from_path(path),
@@ -142,19 +144,24 @@ class TPWorkers:
         self.failure: TPGroupError | None = None
         self.plans_sent, self.plan_seconds = 0, 0.0
         self._closed = False
-        self.control: ControlChannel | None = None
         self.store = dist.TCPStore(_HOST, 0, spec.size, True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
         self.store.set(f"{_KEY}/spec", pickle.dumps(spec))
         env = dict(os.environ)  # NCCL settings (NCCL_NVLS_ENABLE=0 on the lent machines) pass through as they are
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.control = ControlChannel([])
         try:
             for r in range(1, spec.size):
-                code = f"from {__name__} import worker_main; worker_main({r}, {self.store.port})"
+                read, write = os.pipe()
+                self.control.fds.append(write)
+                code = f"from {__name__} import worker_main; worker_main({r}, {self.store.port}, {read})"
                 cmd = [sys.executable, "-c", code]
-                self.procs[r] = subprocess.Popen(cmd, env=env)
+                try:
+                    self.procs[r] = subprocess.Popen(cmd, env=env, pass_fds=(read,))
+                finally:
+                    os.close(read)  # the worker holds it now: its death breaks rank 0's writes
             self._wait_for("joined")
-            self.control = ControlChannel(init_groups(self.store, 0, spec.size, device))
+            init_group(self.store, 0, spec.size, device, COLLECTIVE_TIMEOUT)
         except BaseException:
             self.shutdown()
             raise
@@ -171,23 +178,21 @@ class TPWorkers:
     def set_gemms(self, gemms: Gemms) -> None:
         """Every worker takes rank 0's proven GEMM paths and pad floors (its shard has rank 0's shapes)."""
         self._raise_if_dead()
-        assert self.control is not None
         self.store.set(f"{_KEY}/gemms", pickle.dumps((gemms.invariant, gemms.min_rows)))
         self.control.send(GEMMS)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Every worker (re)allocates its KV cache with ``num_blocks`` blocks of its KV heads."""
         self._raise_if_dead()
-        assert self.control is not None
         self.control.send(KV_CACHE, num_blocks)
 
     @contextmanager
     def running(self, step: StepInputs) -> Iterator[None]:
-        """Send ``step`` to the workers; an error inside (a failed collective) stops the group."""
+        """Send ``step`` to the workers; an error inside (a failed collective, a worker gone
+        from the plan pipe) stops the group."""
         self._raise_if_dead()
-        assert self.control is not None
+        start = time.perf_counter()
         try:
-            start = time.perf_counter()
             self.control.send_step(step)
             self.plan_seconds += time.perf_counter() - start
             self.plans_sent += 1
@@ -241,9 +246,10 @@ class TPWorkers:
         if self._closed:
             return
         self._closed = True
-        if self.control is not None and self.failure is None:
-            with suppress(Exception):
+        if self.failure is None:
+            with suppress(OSError):  # a worker that is gone already
                 self.control.send(STOP)
+        self.control.close()
         for proc in self.procs.values():
             with suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5.0 if self.failure is None else 0.0)
