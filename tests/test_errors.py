@@ -116,6 +116,8 @@ def test_add_request_rejects_bad_requests_without_disturbing_running_ones(llm: L
         (dict(block_size=0), "block_size must be >= 1, got 0"),
         (dict(num_kv_blocks=0), "num_kv_blocks must be >= 1, got 0"),
         (dict(cpu_kv_cache_bytes=-5), "cpu_kv_cache_bytes must be >= 1, got -5"),
+        (dict(collective_timeout_s=0), "collective_timeout_s must be > 0, got 0"),
+        (dict(collective_timeout_s=float("nan")), "collective_timeout_s must be > 0, got nan"),
         (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
         (dict(gpu_memory_utilization=float("nan")), "gpu_memory_utilization must be in"),
         (dict(max_model_len=1), "max_model_len must be >= 2, got 1"),

@@ -131,6 +131,26 @@ def test_killed_worker_fails_the_next_step_within_seconds(checkpoints: dict[str,
             engine.step()
 
 
+def test_hung_worker_times_out_the_step_with_a_clear_error(checkpoints: dict[str, Path]) -> None:
+    """A stopped worker never joins the next collective: rank 0 gives up after the timeout,
+    says it was a hang, and stops the workers (the hung one by force)."""
+    settings = dict(num_kv_blocks=64, enable_determinism=False, load_format="dummy", collective_timeout_s=2.0)
+    with tp_llm(checkpoints["qwen3"], 2, **settings) as llm:
+        engine = llm.llm_engine
+        engine.add_request("r", PROMPT, SamplingParams(max_tokens=32, ignore_eos=True))
+        engine.step()
+        os.kill(engine.workers.pids[1], signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(TPGroupError, match=r"collective timed out: rank 0 waited 2 s \(collective_timeout_s\)"):
+            engine.step()
+        elapsed = time.monotonic() - start
+        assert 2 <= elapsed < 10
+        print(f"\nthe step with a hung worker failed after {elapsed:.2f} s")
+        assert all(p.poll() is not None for p in engine.workers.procs.values())
+        with pytest.raises(TPGroupError, match="timed out"):
+            engine.check_health()
+
+
 def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(trained_model: Path) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's attention heads"):
         LLM(str(trained_model), tensor_parallel_size=4, device="cpu")

@@ -7,6 +7,7 @@ import logging
 import weakref
 from collections.abc import Iterable
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,7 @@ class LLMEngine:
             canonical=self.canonical,
             num_threads=torch.get_num_threads(),
             size=size,
+            collective_timeout=timedelta(seconds=config.collective_timeout_s),
         )
         workers = TPWorkers(spec, self.device)
         weakref.finalize(self, workers.shutdown)
@@ -243,6 +245,12 @@ class LLMEngine:
         gc.unfreeze()
         if self.workers is not None:
             self.workers.shutdown()
+
+    def check_health(self) -> None:
+        """Raise a ``RuntimeError`` saying why if the engine cannot step: under TP, a worker
+        died or the group broke (``TPGroupError``). Safe to call from another thread."""
+        if self.workers is not None:
+            self.workers.check_health()
 
     def __enter__(self) -> LLMEngine:
         return self

@@ -11,6 +11,8 @@ take part in the collectives. Plans arrive through a pipe (``ControlChannel``).
 A worker that dies must become a clear error in the engine, never a hang: rank 0 polls
 the workers' exit codes before each step, and when a collective fails it names the dead
 worker (with the last line of its traceback, which a failing worker leaves in the store).
+A worker that hangs makes rank 0's next collective time out (``collective_timeout_s``),
+and the error says so.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -75,6 +78,7 @@ class WorkerSpec:
     num_threads: int
     """Threads per rank: every rank's CPU GEMMs use the count the fingerprint records."""
     size: int
+    collective_timeout: timedelta
 
     def device(self, rank: int) -> torch.device:
         return torch.device("cuda", rank) if self.device_type == "cuda" else torch.device("cpu")
@@ -98,7 +102,7 @@ def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore, control: ControlRe
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store.set(f"{_KEY}/joined/{rank}", "1")
-    init_group(store, rank, spec.size, device, COLLECTIVE_TIMEOUT)
+    init_group(store, rank, spec.size, device, spec.collective_timeout)
     path = Path(spec.model)
     model = build_model(
         ModelConfig.from_path(path),
@@ -161,7 +165,7 @@ class TPWorkers:
                 finally:
                     os.close(read)  # the worker holds it now: its death breaks rank 0's writes
             self._wait_for("joined")
-            init_group(self.store, 0, spec.size, device, COLLECTIVE_TIMEOUT)
+            init_group(self.store, 0, spec.size, device, spec.collective_timeout)
         except BaseException:
             self.shutdown()
             raise
@@ -189,7 +193,8 @@ class TPWorkers:
     @contextmanager
     def running(self, step: StepInputs) -> Iterator[None]:
         """Send ``step`` to the workers; an error inside (a failed collective, a worker gone
-        from the plan pipe) stops the group."""
+        from the plan pipe) stops the group. A step that failed after waiting out the
+        collective timeout is a hung worker, not a dead one."""
         self._raise_if_dead()
         start = time.perf_counter()
         try:
@@ -199,12 +204,32 @@ class TPWorkers:
             yield
         except Exception as exc:
             # The ranks are out of step now: whatever failed, no further pass can run.
-            dead = self._wait_for_death(_DEATH_GRACE_S)
-            self.failure = self._death(dead) if dead is not None else TPGroupError(
-                f"a tensor-parallel step failed on rank 0 ({exc}); the workers were stopped"
-            )
+            timeout = self.spec.collective_timeout.total_seconds()
+            if time.perf_counter() - start >= timeout:
+                self.failure = TPGroupError(
+                    f"a tensor-parallel collective timed out: rank 0 waited {timeout:g} s (collective_timeout_s) for "
+                    f"a worker that did not take part, which hangs or is far too slow; the workers were stopped "
+                    f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+                )
+            else:
+                dead = self._wait_for_death(_DEATH_GRACE_S)
+                self.failure = self._death(dead) if dead is not None else TPGroupError(
+                    f"a tensor-parallel step failed on rank 0 ({exc}); the workers were stopped"
+                )
             self.shutdown()
             raise self.failure from exc
+
+    def check_health(self) -> None:
+        """Raise ``TPGroupError`` if the group broke or a worker has exited. It only reads
+        exit codes (and a dead worker's last words from the store), so a server may call it
+        from another thread while the engine steps or idles."""
+        if self.failure is not None:
+            raise self.failure
+        dead = self._first_dead()
+        if dead is not None:
+            raise self._death(dead)
+        if self._closed:
+            raise TPGroupError("the tensor-parallel workers were shut down")
 
     def _wait_for(self, stage: str) -> None:
         keys = [f"{_KEY}/{stage}/{r}" for r in self.procs]
