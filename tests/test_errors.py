@@ -116,6 +116,8 @@ def test_add_request_rejects_bad_requests_without_disturbing_running_ones(llm: L
         (dict(block_size=0), "block_size must be >= 1, got 0"),
         (dict(num_kv_blocks=0), "num_kv_blocks must be >= 1, got 0"),
         (dict(cpu_kv_cache_bytes=-5), "cpu_kv_cache_bytes must be >= 1, got -5"),
+        (dict(tp_invariant_chunks=6), "tp_invariant_chunks must be a power of two, got 6"),
+        (dict(tp_invariant_chunks=2, tensor_parallel_size=4), "tp_invariant_chunks=2 needs a tensor_parallel_size"),
         (dict(collective_timeout_s=0), "collective_timeout_s must be > 0, got 0"),
         (dict(collective_timeout_s=float("nan")), "collective_timeout_s must be > 0, got nan"),
         (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),

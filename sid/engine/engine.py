@@ -105,6 +105,7 @@ class LLMEngine:
             num_threads=torch.get_num_threads(),
             size=size,
             collective_timeout=timedelta(seconds=config.collective_timeout_s),
+            tp_invariant_chunks=config.tp_invariant_chunks,
         )
         workers = TPWorkers(spec, self.device)
         weakref.finalize(self, workers.shutdown)
@@ -123,6 +124,8 @@ class LLMEngine:
             tp=self.workers.group if self.workers is not None else None,
         )
         self.model.gemms.fast = fast_path(self.device)
+        if config.tp_invariant_chunks is not None:
+            self.model.split_row_parallel(config.tp_invariant_chunks)
         if self.workers is not None:
             self.workers.wait_ready()
         if config.enable_determinism:
@@ -269,6 +272,7 @@ class LLMEngine:
             "gemms": gemms.describe() if gemms.invariant is not None else str(gemms.fast),
             "dtype": str(self.dtype),
             "tensor_parallel_size": self.config.tensor_parallel_size,
+            "tp_invariant_chunks": self.config.tp_invariant_chunks,
             "attention": self.backend.canonical_config(),
             "sources": source_digest(),
             "torch": torch.__version__,

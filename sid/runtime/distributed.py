@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from sid.runtime.gemm import tree_sum
 from sid.runtime.model_runner import StepInputs
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
@@ -59,6 +60,11 @@ class TPGroup:
         for part in rest:
             out = out + part
         return out
+
+    def all_reduce_tree(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of ``x`` over the ranks, added as a balanced tree in rank order (TP-invariant
+        chunks: the top of the tree whose leaves are the K chunks)."""
+        return tree_sum(self._gather(x))
 
     def all_gather_cat(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim`` in rank order (exact: no arithmetic)."""

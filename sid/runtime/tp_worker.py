@@ -79,6 +79,7 @@ class WorkerSpec:
     """Threads per rank: every rank's CPU GEMMs use the count the fingerprint records."""
     size: int
     collective_timeout: timedelta
+    tp_invariant_chunks: int | None
 
     def device(self, rank: int) -> torch.device:
         return torch.device("cuda", rank) if self.device_type == "cuda" else torch.device("cpu")
@@ -115,6 +116,8 @@ def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore, control: ControlRe
         tp=TPGroup(rank, spec.size),
     )
     model.gemms.fast = fast_path(device)
+    if spec.tp_invariant_chunks is not None:
+        model.split_row_parallel(spec.tp_invariant_chunks)
     store.set(f"{_KEY}/ready/{rank}", "1")
     backend = get_backend(spec.attention_backend, device)
     runner: ModelRunner | None = None
