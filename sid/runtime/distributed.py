@@ -202,6 +202,7 @@ class ControlReceiver:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        self.header = np.zeros(_HEADER, dtype=np.int64)
         self.buffer = _Buffer()
         self.tables = TableState()
 
@@ -219,10 +220,9 @@ class ControlReceiver:
     def recv(self) -> tuple[int, int | StepInputs]:
         """``(STEP, plan)``, ``(KV_CACHE, num_blocks)``, ``(GEMMS, 0)`` or ``(STOP, 0)``
         (also at the end of input)."""
-        header = np.zeros(_HEADER, dtype=np.int64)
-        if not self._read(header):
+        if not self._read(self.header):
             return STOP, 0
-        kind, n, seqs, width, n_logits, flags, n_changed, body = header.tolist()
+        kind, n, seqs, width, n_logits, flags, n_changed, body = self.header.tolist()
         if kind != STEP:
             return kind, n
         message = self.buffer.fit(body)[:body]
