@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 import time
 from dataclasses import asdict, replace
 from collections.abc import Iterator
@@ -159,6 +160,24 @@ def test_killed_worker_fails_the_next_step_within_seconds(checkpoints: dict[str,
         assert all(p.poll() is not None for p in engine.workers.procs.values())  # the others were stopped
         with pytest.raises(TPGroupError, match="rank 2 died"):
             engine.step()
+
+
+def test_worker_that_dies_during_a_collective_fails_the_step_within_seconds(checkpoints: dict[str, Path]) -> None:
+    """Rank 0 is already waiting in the step's first collective when the worker dies: the
+    broken connection, not the 120 s timeout, ends the wait."""
+    with tp_llm(checkpoints["qwen3"], 2, num_kv_blocks=64, enable_determinism=False, load_format="dummy") as llm:
+        engine = llm.llm_engine
+        engine.add_request("r", PROMPT, SamplingParams(max_tokens=32, ignore_eos=True))
+        engine.step()
+        pid = engine.workers.pids[1]
+        os.kill(pid, signal.SIGSTOP)  # it takes the plan but never joins the collective
+        threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(TPGroupError, match=r"worker rank 1 died \(exit code -9\)"):
+            engine.step()
+        elapsed = time.monotonic() - start
+        assert 0.5 <= elapsed < 5
+        print(f"\nthe step whose worker died in it failed after {elapsed:.2f} s")
 
 
 def test_hung_worker_times_out_the_step_with_a_clear_error(checkpoints: dict[str, Path]) -> None:
