@@ -32,7 +32,7 @@ from sid.runtime.gemm import tree_sum
 from sid.runtime.model_runner import StepInputs
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
-"""How long a model collective waits for a peer before it fails (a hung worker), by default."""
+"""How long the store waits for a peer; the engine's collectives wait ``collective_timeout_s``."""
 
 STEP, KV_CACHE, STOP, GEMMS = 1, 2, 3, 4
 """Control message kinds: run a forward pass, (re)allocate the KV cache, exit, take the

@@ -79,6 +79,7 @@ class WorkerSpec:
     """Threads per rank: every rank's CPU GEMMs use the count the fingerprint records."""
     size: int
     collective_timeout: timedelta
+    """How long a model collective waits for a peer before it fails (a hung worker)."""
     tp_invariant_chunks: int | None
 
     def device(self, rank: int) -> torch.device:
