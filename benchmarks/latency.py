@@ -9,6 +9,7 @@ runs at ``--long-context`` tokens. The ratio is deterministic over normal.
 
     python benchmarks/latency.py --model llama-3.1-8b --out results/     # H200, dummy weights
     python benchmarks/latency.py --smoke                                 # CPU, tiny model, seconds
+    python benchmarks/latency.py ... --tp-invariant-chunks 8             # what TP-invariant sums cost
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def main() -> None:
     ap.add_argument("--long-context", type=int, default=32768, help="batch 1 also runs at this context (0: not)")
     ap.add_argument("--long-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tp-invariant-chunks", type=int, default=None,
+                    help="deterministic passes split row-parallel K into this many chunks (its cost at TP=1)")
     args = parse_args(ap, smoke=dict(model=SMOKE_MODEL, batches="1,4", context=48, new_tokens=12, long_context=96,
                                      long_new_tokens=8, rounds=1))
     batches = [int(b) for b in args.batches.split(",")]
@@ -74,6 +77,7 @@ def main() -> None:
         device=engine_device(args),
         max_model_len=longest + 16,
         max_num_seqs=max(batches),
+        tp_invariant_chunks=args.tp_invariant_chunks,
     )
     engine = llm.llm_engine
     decode_step_ms(engine, min(batches), args.context, 8, True)  # warm-up
@@ -91,7 +95,7 @@ def main() -> None:
     stats = engine.get_stats()
     meta = {"model": args.model or engine.config.model, "device": str(engine.device), "dtype": str(engine.dtype),
             "determinism": stats["determinism"], "gemm_paths": stats["gemm_paths"], "fingerprint": engine.fingerprint,
-            "rounds": args.rounds}
+            "rounds": args.rounds, "tp_invariant_chunks": args.tp_invariant_chunks}
     path = write_json("latency", {**meta, "rows": rows}, args.out)
     print(f"{meta['model']} on {meta['device']} ({meta['dtype']}), deterministic rows: {meta['determinism']}")
     print(table(rows, ["batch", "context", "normal_ms", "deterministic_ms", "ratio"]))

@@ -28,6 +28,13 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     tensor_parallel_size: int = 1
+    tp_invariant_chunks: int | None = None
+    """Deterministic requests get the same bits at every TP size that divides this: the
+    row-parallel layers of passes with canonical rows split their K into this many chunks,
+    summed in one fixed tree (TP=1 computes every chunk itself). A power of two; None = off."""
+    collective_timeout_s: float = 120.0
+    """Under TP, how long a collective waits for a rank before the step fails: a hung worker
+    becomes an error after this long."""
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
@@ -70,6 +77,17 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.cpu_kv_cache_bytes < 1:
             raise ValueError(f"cpu_kv_cache_bytes must be >= 1, got {self.cpu_kv_cache_bytes}")
+        chunks = self.tp_invariant_chunks
+        if chunks is not None:
+            if chunks < 1 or chunks & (chunks - 1):
+                raise ValueError(f"tp_invariant_chunks must be a power of two, got {chunks}")
+            if chunks % self.tensor_parallel_size:
+                raise ValueError(
+                    f"tp_invariant_chunks={chunks} needs a tensor_parallel_size that divides it, "
+                    f"got {self.tensor_parallel_size}"
+                )
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 2:

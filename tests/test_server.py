@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import signal
 import time
@@ -462,6 +463,32 @@ def test_dead_engine_answers_503(tmp_path: Path) -> None:
         assert httpx.get(f"{server.url}/health").status_code == 503
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x = 1", "max_tokens": 4}, timeout=30)
         assert r.status_code == 503
+
+
+def test_dead_tp_worker_shows_in_health_while_the_server_stays_up(checkpoints: dict[str, Path]) -> None:
+    """A worker killed while the engine idles: /health says so at once, naming it; the server
+    keeps answering, and a request gets a 503 with the same cause."""
+    config = EngineConfig(
+        model=str(checkpoints["qwen3"]), tensor_parallel_size=2, device="cpu", num_kv_blocks=64,
+        enable_determinism=False, load_format="dummy",
+    )
+    engine = LLMEngine(config)
+    try:
+        with ServerThread(build_app(engine, ServerSettings(served_model_name="tiny"))) as server:
+            r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x = 1", "max_tokens": 4}, timeout=30)
+            assert r.status_code == 200 and httpx.get(f"{server.url}/health").status_code == 200
+            os.kill(engine.workers.pids[1], signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while (health := httpx.get(f"{server.url}/health")).status_code == 200:
+                assert time.monotonic() < deadline, "/health did not see the dead worker within 5 s"
+                time.sleep(0.05)
+            assert health.status_code == 503
+            assert r"worker rank 1 died (exit code -9)" in health.json()["error"]["message"]
+            assert httpx.get(f"{server.url}/v1/models").status_code == 200
+            r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x = 1", "max_tokens": 4}, timeout=30)
+            assert r.status_code == 503 and "rank 1 died" in r.json()["error"]["message"]
+    finally:
+        engine.shutdown()
 
 
 # ------------------------------------------------------------------ `sid serve`

@@ -8,19 +8,26 @@ Every engine here is shut down before the next starts: one process holds one gro
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import threading
 import time
+from dataclasses import asdict, replace
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from sid import LLM, SamplingParams
 from sid.engine.selftest import DeterminismSelfTestError
+from sid.model.builtin import write_checkpoint
+from sid.runtime.distributed import STEP, ControlChannel, ControlReceiver
 from sid.runtime.faults import FAULTS
+from sid.runtime.model_runner import StepInputs
 from sid.runtime.tp_worker import TPGroupError
 from tests.test_determinism import CROWD, PROMPT, crowd_params, det
 from tests.test_models import PROMPTS, assert_close, hf_logits, record_logits
@@ -28,15 +35,15 @@ from tests.test_models import PROMPTS, assert_close, hf_logits, record_logits
 
 @contextmanager
 def tp_llm(path: Path, tp: int, **kwargs: object) -> Iterator[LLM]:
-    """An LLM at ``tp`` ranks whose workers are gone (checked) once the block ends."""
+    """An LLM at ``tp`` ranks (one process at 1) whose workers are gone (checked) once the block ends."""
     llm = LLM(str(path), tensor_parallel_size=tp, device="cpu", **kwargs)
     workers = llm.llm_engine.workers
-    assert workers is not None and len(workers.procs) == tp - 1
+    assert len(workers.procs) == tp - 1 if workers is not None else tp == 1
     try:
         yield llm
     finally:
         llm.llm_engine.shutdown()
-        assert all(p.poll() is not None for p in workers.procs.values())
+        assert workers is None or all(p.poll() is not None for p in workers.procs.values())
         assert not dist.is_initialized()
 
 
@@ -101,6 +108,34 @@ def test_deterministic_request_is_identical_across_batch_compositions(
             assert stats["rollbacks"] > 0  # the faults reached the proposals
 
 
+@pytest.fixture(scope="module")
+def grouped_llama(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A Llama whose 4 KV heads split 1, 2 and 4 ways with 2 query heads each."""
+    path = tmp_path_factory.mktemp("grouped")
+    write_checkpoint(path, "LlamaForCausalLM", seed=5, tokenizer=False, num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    return path
+
+
+def test_tp_invariant_chunks_give_the_same_bits_at_tp_1_2_and_4(grouped_llama: Path) -> None:
+    """With the row-parallel K split into 4 chunks summed in one tree, deterministic requests
+    (greedy and seeded) get the same tokens and logprobs at every TP size; without the
+    option, TP=2 misses them."""
+    prompts = ["def main(", "import os\n"]
+    params = [det(12, logprobs=2), det(12, temperature=1.0, seed=3, logprobs=2)]
+
+    def run(tp: int, chunks: int | None) -> list[tuple[list[int], object]]:
+        small = dict(num_kv_blocks=128, max_num_batched_tokens=64, max_num_seqs=8)  # a quick start-up proof
+        with tp_llm(grouped_llama, tp, tp_invariant_chunks=chunks, **small) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    one = run(1, 4)
+    assert run(2, 4) == one and run(4, 4) == one
+    assert run(2, None) != one
+
+
 def test_self_test_refuses_at_tp2_and_stops_the_workers(
     checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -127,7 +162,102 @@ def test_killed_worker_fails_the_next_step_within_seconds(checkpoints: dict[str,
             engine.step()
 
 
+def test_worker_that_dies_during_a_collective_fails_the_step_within_seconds(checkpoints: dict[str, Path]) -> None:
+    """Rank 0 is already waiting in the step's first collective when the worker dies: the
+    broken connection, not the 120 s timeout, ends the wait."""
+    with tp_llm(checkpoints["qwen3"], 2, num_kv_blocks=64, enable_determinism=False, load_format="dummy") as llm:
+        engine = llm.llm_engine
+        engine.add_request("r", PROMPT, SamplingParams(max_tokens=32, ignore_eos=True))
+        engine.step()
+        pid = engine.workers.pids[1]
+        os.kill(pid, signal.SIGSTOP)  # it takes the plan but never joins the collective
+        threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(TPGroupError, match=r"worker rank 1 died \(exit code -9\)"):
+            engine.step()
+        elapsed = time.monotonic() - start
+        assert 0.5 <= elapsed < 5
+        print(f"\nthe step whose worker died in it failed after {elapsed:.2f} s")
+
+
+def test_hung_worker_times_out_the_step_with_a_clear_error(checkpoints: dict[str, Path]) -> None:
+    """A stopped worker never joins the next collective: rank 0 gives up after the timeout,
+    says it was a hang, and stops the workers (the hung one by force)."""
+    settings = dict(num_kv_blocks=64, enable_determinism=False, load_format="dummy", collective_timeout_s=2.0)
+    with tp_llm(checkpoints["qwen3"], 2, **settings) as llm:
+        engine = llm.llm_engine
+        engine.add_request("r", PROMPT, SamplingParams(max_tokens=32, ignore_eos=True))
+        engine.step()
+        os.kill(engine.workers.pids[1], signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(TPGroupError, match=r"collective timed out: rank 0 waited 2 s \(collective_timeout_s\)"):
+            engine.step()
+        elapsed = time.monotonic() - start
+        assert 2 <= elapsed < 10
+        print(f"\nthe step with a hung worker failed after {elapsed:.2f} s")
+        assert all(p.poll() is not None for p in engine.workers.procs.values())
+        with pytest.raises(TPGroupError, match="timed out"):
+            engine.check_health()
+
+
 def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(trained_model: Path) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's attention heads"):
         LLM(str(trained_model), tensor_parallel_size=4, device="cpu")
     assert not dist.is_initialized()
+
+
+def _plan(keys: list[int], rows: list[list[int]], **fields: object) -> StepInputs:
+    """A decode plan: one row per sequence, ``rows`` its blocks (zero-padded to a table)."""
+    table = np.zeros((len(rows), max(map(len, rows))), dtype=np.int32)
+    for i, blocks in enumerate(rows):
+        table[i, : len(blocks)] = blocks
+    n = len(keys)
+    lens = [16 * len(blocks) - i for i, blocks in enumerate(rows)]
+    step = StepInputs(
+        input_ids=[7 * k + 1 for k in range(n)],
+        positions=[length - 1 for length in lens],
+        slots=np.arange(n, dtype=np.int64) + 100,
+        block_tables=table,
+        seq_lens=lens,
+        query_start_loc=list(range(n + 1)),
+        canonical=False,
+        logit_rows=list(range(n)),
+        seq_keys=keys,
+    )
+    return replace(step, **fields)
+
+
+def test_plan_channel_sends_changed_table_entries_and_rebuilds_every_plan() -> None:
+    """Sequences that grow a block, leave, arrive, change places or repeat a key (self-test
+    probes), a padding row, and each flag: the worker decodes exactly rank 0's plan."""
+    read, write = os.pipe()
+    sender, receiver = ControlChannel([write]), ControlReceiver(read)
+    base = [list(range(10 * k, 10 * k + 6)) for k in range(8)]
+    plans = [
+        _plan(list(range(8)), base),
+        _plan(list(range(8)), [b + [90 + i] if i % 3 == 0 else b for i, b in enumerate(base)]),  # some take a block
+        _plan([5, 1, 9, 0], [base[5], base[1], [70, 71], base[0] + [90]], canonical=True, logit_rows=None),
+        _plan([0, 0, -1], [base[0] + [90], [3, 4], [0]], canonical_seqs=[1, 0, 0], invariant=True, logit_rows=[]),
+    ]
+    try:
+        sizes = []
+        for plan in plans:
+            before = sender.ints_sent
+            sender.send_step(plan)
+            sizes.append(sender.ints_sent - before)
+            kind, got = receiver.recv()
+            assert kind == STEP and isinstance(got, StepInputs)
+            sent, received = asdict(plan), asdict(got)
+            for name in ("slots", "block_tables"):
+                assert np.array_equal(sent.pop(name), received.pop(name)), name
+            sent.pop("seq_keys")
+            received.pop("seq_keys")
+            assert received == sent
+        # A header, then per sequence its id, position, slot, length, start, logit row and
+        # previous row (and one more start): the first plan adds whole rows of 6 blocks, the
+        # second only the 3 entries that changed (index and value).
+        layout = 8 + 7 * 8 + 1
+        assert sizes[:2] == [layout + 8 * 6, layout + 2 * 3]
+    finally:
+        sender.close()
+        os.close(read)

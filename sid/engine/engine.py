@@ -7,6 +7,7 @@ import logging
 import weakref
 from collections.abc import Iterable
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,8 @@ class LLMEngine:
             canonical=self.canonical,
             num_threads=torch.get_num_threads(),
             size=size,
+            collective_timeout=timedelta(seconds=config.collective_timeout_s),
+            tp_invariant_chunks=config.tp_invariant_chunks,
         )
         workers = TPWorkers(spec, self.device)
         weakref.finalize(self, workers.shutdown)
@@ -121,6 +124,8 @@ class LLMEngine:
             tp=self.workers.group if self.workers is not None else None,
         )
         self.model.gemms.fast = fast_path(self.device)
+        if config.tp_invariant_chunks is not None:
+            self.model.split_row_parallel(config.tp_invariant_chunks)
         if self.workers is not None:
             self.workers.wait_ready()
         if config.enable_determinism:
@@ -248,6 +253,12 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.shutdown()
 
+    def check_health(self) -> None:
+        """Raise a ``RuntimeError`` saying why if the engine cannot step: under TP, a worker
+        died or the group broke (``TPGroupError``). Safe to call from another thread."""
+        if self.workers is not None:
+            self.workers.check_health()
+
     def __enter__(self) -> LLMEngine:
         return self
 
@@ -265,6 +276,7 @@ class LLMEngine:
             "gemms": gemms.describe() if gemms.invariant is not None else str(gemms.fast),
             "dtype": str(self.dtype),
             "tensor_parallel_size": self.config.tensor_parallel_size,
+            "tp_invariant_chunks": self.config.tp_invariant_chunks,
             "attention": self.backend.canonical_config(),
             "sources": source_digest(),
             "torch": torch.__version__,

@@ -37,6 +37,14 @@ def _add_engine_args(p: argparse.ArgumentParser, model_option: bool = True) -> N
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--tp-invariant-chunks", type=int, default=None,
+        help="deterministic requests get the same bits at every TP size dividing this (a power of two)",
+    )
+    p.add_argument(
+        "--collective-timeout-s", type=float, default=120.0,
+        help="under TP, a collective that waits this long for a worker fails the step (a hung worker)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
@@ -64,6 +72,7 @@ def _add_engine_args(p: argparse.ArgumentParser, model_option: bool = True) -> N
 
 _ENGINE_FIELDS = (
     "device", "dtype", "max_model_len", "load_format", "enforce_eager", "tensor_parallel_size",
+    "tp_invariant_chunks", "collective_timeout_s",
     "gpu_memory_utilization", "num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
     "enable_prefix_caching", "enable_determinism", "canonical_rows", "max_canonical_rows",
     "canonical_sizes_per_octave", "verify_window",

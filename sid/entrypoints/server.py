@@ -502,9 +502,14 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while requests are taken; 503 once the engine failed or the server is draining."""
+        """200 while requests are taken; 503 once the engine failed (a tensor-parallel worker
+        that died is seen here at once, even while the engine idles) or the server is draining."""
         if front.error is not None:
             raise APIError(503, f"the engine failed: {front.error}")
+        try:
+            engine.check_health()
+        except RuntimeError as exc:
+            raise APIError(503, f"the engine failed: {exc}") from exc
         if not front.alive or front.draining:
             raise APIError(503, "the server is shutting down" if front.draining else "the engine is not running")
         return Response(status_code=200)

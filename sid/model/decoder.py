@@ -42,6 +42,8 @@ class TensorParallel(Protocol):
 
     def all_reduce_sum(self, x: torch.Tensor, canonical: bool) -> torch.Tensor: ...
 
+    def all_reduce_tree(self, x: torch.Tensor) -> torch.Tensor: ...
+
     def all_gather_cat(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
 
 
@@ -93,9 +95,15 @@ class Shard(HeadLayout):
         )
 
 
-def _sum_ranks(tp: TensorParallel | None, x: torch.Tensor, canonical: bool) -> torch.Tensor:
-    """A row-parallel layer's output summed over the ranks (nothing to do without a group)."""
-    return x if tp is None else tp.all_reduce_sum(x, canonical)
+def _row_parallel(tp: TensorParallel | None, layer: Linear, x: torch.Tensor, canonical: bool) -> torch.Tensor:
+    """A row-parallel layer (o_proj, down_proj: no bias) summed over the ranks; with
+    TP-invariant chunks, in a pass with canonical rows, as one tree of K chunks (``Gemms.row_parallel``)."""
+    partial = layer.gemms.row_parallel(x, layer, canonical)
+    if tp is None:
+        return partial
+    if canonical and layer.gemms.k_chunks is not None:
+        return tp.all_reduce_tree(partial)
+    return tp.all_reduce_sum(partial, canonical)
 
 
 class Attention(nn.Module):
@@ -122,7 +130,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         rotary(positions, q, k)
         out = attn(self.layer, q, k, v)
-        return _sum_ranks(self.tp, self.o_proj(out.reshape(n, shard.q_size)), attn.canonical)
+        return _row_parallel(self.tp, self.o_proj, out.reshape(n, shard.q_size), attn.canonical)
 
 
 class MLP(nn.Module):
@@ -133,7 +141,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(shard.intermediate_size, cfg.hidden_size, False, gemms)
 
     def forward(self, x: torch.Tensor, canonical: bool) -> torch.Tensor:
-        return _sum_ranks(self.tp, self.down_proj(silu_and_mul(self.gate_up_proj(x))), canonical)
+        return _row_parallel(self.tp, self.down_proj, silu_and_mul(self.gate_up_proj(x)), canonical)
 
 
 class DecoderLayer(nn.Module):
@@ -199,7 +207,25 @@ class CausalLM(nn.Module):
     def gemm_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """(weight, bias) of every GEMM the model runs, the LM head included."""
         layers = [(m.weight, m.bias) for m in self.modules() if isinstance(m, Linear)]
+        layers += [(w, None) for m in self.modules() if isinstance(m, Linear) for w in m.chunks]
         return layers if self.lm_head is not None else [*layers, (self.embed_tokens.weight, None)]
+
+    def split_row_parallel(self, chunks: int) -> None:
+        """TP-invariant sums (``Gemms.row_parallel``): o_proj and down_proj split their K into
+        ``chunks`` in all, this rank's share of them kept as chunks of its weights."""
+        cfg = self.cfg
+        if cfg.num_kv_heads % chunks:
+            raise ValueError(
+                f"tp_invariant_chunks={chunks} must divide the model's KV heads ({cfg.num_kv_heads}), so that "
+                "every TP size it covers splits them and a query head attends in the same grouping at each"
+            )
+        if cfg.intermediate_size % chunks:
+            raise ValueError(f"tp_invariant_chunks={chunks} does not divide the model's intermediate_size")
+        local = chunks // self.shard.size
+        for layer in self.layers:
+            layer.self_attn.o_proj.split(local)
+            layer.mlp.down_proj.split(local)
+        self.gemms.k_chunks = local
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head, in float32 logits; under TP every rank gets the full vocabulary."""

@@ -1,10 +1,15 @@
-"""Tensor-parallel process groups: the model's collectives and rank 0's per-step plan channel.
+"""Tensor-parallel process groups, and rank 0's per-step plan channel.
 
-Two groups span the same ranks. The *data* group (NCCL on CUDA, gloo on the CPU) carries
-the model's all-reduces and gathers, with a timeout so a hung peer turns into an error.
-The *control* group (always gloo, on the CPU) carries rank 0's small plan messages to the
-workers; it has no practical timeout, because a worker waits on it for as long as the
-engine stays idle.
+The *data* group (NCCL on CUDA, gloo on the CPU) carries the model's all-reduces and
+gathers, with a timeout so a hung peer turns into an error.
+
+Plans do not travel through a process group. Every rank runs on one host (rank 0 starts
+the workers), so rank 0 writes each plan into one pipe per worker: the write returns as
+soon as the kernel has the bytes (rank 0 never waits for a worker to pick a plan up), and
+a worker blocked in ``read`` wakes as soon as they land. A gloo broadcast went through
+gloo's I/O threads on both ends and cost a round trip per plan (``benchmarks/tp_plan.py``).
+A worker that dies turns rank 0's next write into ``BrokenPipeError``; a rank 0 that dies
+gives its workers an end of file, and they exit.
 
 A canonical pass reduces in a fixed order (DESIGN 3.1): ring all-reduce adds an element's
 partial sums in an order that depends on the element's offset, so a row's bits would
@@ -14,28 +19,30 @@ makes each element ``x_0 + x_1 + ... + x_{n-1}``, whatever its offset.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
-from itertools import chain
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from sid.runtime.gemm import tree_sum
 from sid.runtime.model_runner import StepInputs
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
-"""How long a model collective waits for a peer before it fails (a hung worker)."""
-_IDLE_TIMEOUT = timedelta(days=365)
+"""How long the store waits for a peer; the engine's collectives wait ``collective_timeout_s``."""
 
 STEP, KV_CACHE, STOP, GEMMS = 1, 2, 3, 4
 """Control message kinds: run a forward pass, (re)allocate the KV cache, exit, take the
 proven GEMM paths (from the store)."""
-_ALL_CANONICAL, _PER_SEQUENCE, _INVARIANT = 1, 2, 4
-"""Bits of a step header's flags: every sequence canonical, per-sequence flags follow, row-invariant GEMMs."""
-_HEADER = 6
-_FIRST = 4096
-"""Int64s in a message's first broadcast: a 32 KiB copy costs less than a second round trip."""
+_ALL_CANONICAL, _PER_SEQUENCE, _INVARIANT, _ALL_LOGITS = 1, 2, 4, 8
+"""Bits of a step header's flags: every sequence canonical, per-sequence flags follow,
+row-invariant GEMMs, every row's logits (``logit_rows`` is None)."""
+_HEADER = 8
+"""A message's first int64s: kind, rows (or the argument), sequences, table width, logit
+rows, flags, patched table entries, and how many int64s follow."""
 
 
 class TPGroup:
@@ -54,6 +61,11 @@ class TPGroup:
             out = out + part
         return out
 
+    def all_reduce_tree(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of ``x`` over the ranks, added as a balanced tree in rank order (TP-invariant
+        chunks: the top of the tree whose leaves are the K chunks)."""
+        return tree_sum(self._gather(x))
+
     def all_gather_cat(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim`` in rank order (exact: no arithmetic)."""
         return torch.cat(self._gather(x), dim)
@@ -64,84 +76,184 @@ class TPGroup:
         return parts
 
 
-def init_groups(store: dist.Store, rank: int, size: int, device: torch.device) -> dist.ProcessGroup:
-    """Join the data group (the default group; rank ``r`` on ``cuda:r``) and return the control group."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+def init_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout: timedelta) -> None:
+    """Join the data group (the default group; rank ``r`` on ``cuda:r``); a collective that
+    waits longer than ``timeout`` for a peer fails."""
     dist.init_process_group(
-        backend,
+        "nccl" if device.type == "cuda" else "gloo",
         store=store,
         rank=rank,
         world_size=size,
-        timeout=COLLECTIVE_TIMEOUT,
+        timeout=timeout,
         device_id=torch.device("cuda", rank) if device.type == "cuda" else None,
     )
-    return dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+
+
+@dataclass
+class TableState:
+    """The block table of the last plan, which both ends hold, so that a plan carries a
+    sequence's row only as the entries that changed since that sequence's last step."""
+
+    table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int32))
+    rows: dict[int, int] = field(default_factory=dict)
+    """Rank 0 only: each sequence key of the last plan -> its row in ``table``."""
+
+    def predict(self, src: np.ndarray, width: int) -> np.ndarray:
+        """Rows of the last table (``src``; zeros where -1), cut or zero-padded to ``width``."""
+        out = np.zeros((len(src), width), dtype=np.int32)
+        known = src >= 0
+        w = min(width, self.table.shape[1])
+        out[known, :w] = self.table[src[known], :w]
+        return out
+
+
+class _Buffer:
+    """A growing int64 array, reused by every message."""
+
+    def __init__(self, size: int = 1 << 14) -> None:
+        self.array = np.zeros(size, dtype=np.int64)
+
+    def fit(self, size: int) -> np.ndarray:
+        if size > len(self.array):
+            self.array = np.zeros(max(size, 2 * len(self.array)), dtype=np.int64)
+        return self.array
 
 
 class ControlChannel:
-    """Rank 0 -> workers messages: one broadcast of ``_FIRST`` int64s (a header and, for all
-    but the largest steps, the whole plan), then the rest of the plan if it did not fit.
+    """Rank 0's end: plans written to one pipe per worker (``fds``, write ends).
 
-    A plan is only the rows' token ids and cache layout (a few integers per row); workers
-    need no sampling state, since rank 0 alone samples.
+    A step plan is the rows' token ids and cache layout (workers need no sampling state:
+    rank 0 alone samples). Block tables go as patches: a sequence that was in the last plan
+    (``StepInputs.seq_keys``) sends only its entries that changed (a decode step: a new
+    block every ``block_size`` tokens), a new one its whole row.
     """
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-
-    def _broadcast(self, t: torch.Tensor) -> None:
-        dist.broadcast(t, 0, group=self.group)
-
-    def _send(self, header: list[int], payload: Iterable[int] = ()) -> None:
-        message = np.fromiter(chain(header, payload), dtype=np.int64)
-        first = np.zeros(_FIRST, dtype=np.int64)
-        first[: len(message)] = message[:_FIRST]
-        self._broadcast(torch.from_numpy(first))
-        if len(message) > _FIRST:
-            self._broadcast(torch.from_numpy(message[_FIRST:]))
+    def __init__(self, fds: Sequence[int]) -> None:
+        self.fds = list(fds)
+        self.buffer = _Buffer()
+        self.tables = TableState()
+        self.ints_sent = 0
+        """Int64s written per worker so far (headers included)."""
 
     def send(self, kind: int, arg: int = 0) -> None:
-        self._send([kind, arg, 0, 0, 0, 0])
+        message = self.buffer.fit(_HEADER)
+        message[:_HEADER] = (kind, arg, 0, 0, 0, 0, 0, 0)
+        self._write(message[:_HEADER])
 
     def send_step(self, step: StepInputs) -> None:
-        width = step.block_tables.shape[1]
-        tables = step.block_tables.ravel().tolist()
-        n_logits = -1 if step.logit_rows is None else len(step.logit_rows)
+        table = step.block_tables
+        seqs, width = table.shape
+        keys = step.seq_keys
+        assert len(keys) == seqs, "rank 0's plans name every sequence (StepInputs.seq_keys)"
+        rows = self.tables.rows
+        src = np.fromiter((rows.get(k, -1) for k in keys), dtype=np.int64, count=seqs)
+        patched = src >= 0
+        changed = np.flatnonzero((table != self.tables.predict(src, width)) & patched[:, None])
+        flat = table.reshape(-1)
+        n, logit_rows, per_seq = len(step.input_ids), step.logit_rows, step.canonical_seqs
         flags = (
             _ALL_CANONICAL * step.canonical
-            | _PER_SEQUENCE * (step.canonical_seqs is not None)
+            | _PER_SEQUENCE * (per_seq is not None)
             | _INVARIANT * step.invariant
+            | _ALL_LOGITS * (logit_rows is None)
         )
-        header = [STEP, len(step.input_ids), len(step.seq_lens), width, n_logits, flags]
-        layout = (step.slots, tables, step.seq_lens, step.query_start_loc, step.logit_rows or (), step.canonical_seqs or ())
-        self._send(header, chain(step.input_ids, step.positions, *layout))
+        parts = (
+            step.input_ids,
+            step.positions,
+            step.slots,
+            step.seq_lens,
+            step.query_start_loc,
+            logit_rows or (),
+            per_seq or (),
+            src,
+            table[~patched].reshape(-1),
+            changed,
+            flat[changed],
+        )
+        size = _HEADER + sum(len(p) for p in parts)
+        message = self.buffer.fit(size)
+        message[:_HEADER] = (STEP, n, seqs, width, len(logit_rows or ()), flags, len(changed), size - _HEADER)
+        at = _HEADER
+        for part in parts:
+            message[at : at + len(part)] = part
+            at += len(part)
+        self._write(message[:size])
+        self.tables.table = table.copy()
+        self.tables.rows = {k: i for i, k in enumerate(keys)}
+
+    def _write(self, message: np.ndarray) -> None:
+        self.ints_sent += len(message)
+        data = memoryview(message).cast("B")
+        for fd in self.fds:
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+
+    def close(self) -> None:
+        """Close the pipes: a worker still reading sees the end of its input and exits."""
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+class ControlReceiver:
+    """A worker's end: rank 0's messages read from the pipe ``fd``, block tables rebuilt
+    from their patches."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.header = np.zeros(_HEADER, dtype=np.int64)
+        self.buffer = _Buffer()
+        self.tables = TableState()
+
+    def _read(self, into: np.ndarray) -> bool:
+        """Fill ``into`` from the pipe; False at the end of input (rank 0 is gone)."""
+        view = memoryview(into).cast("B")
+        done = 0
+        while done < len(view):
+            got = os.readv(self.fd, [view[done:]])
+            if got == 0:
+                return False
+            done += got
+        return True
 
     def recv(self) -> tuple[int, int | StepInputs]:
-        """``(STEP, plan)``, ``(KV_CACHE, num_blocks)``, ``(GEMMS, 0)`` or ``(STOP, 0)``."""
-        first = torch.empty(_FIRST, dtype=torch.int64)
-        self._broadcast(first)
-        kind, n, seqs, width, n_logits, flags = first[:_HEADER].tolist()
+        """``(STEP, plan)``, ``(KV_CACHE, num_blocks)``, ``(GEMMS, 0)`` or ``(STOP, 0)``
+        (also at the end of input)."""
+        if not self._read(self.header):
+            return STOP, 0
+        kind, n, seqs, width, n_logits, flags, n_changed, body = self.header.tolist()
         if kind != STEP:
             return kind, n
-        cuts = [n, 2 * n, 3 * n, 3 * n + seqs * width, 3 * n + seqs * (width + 1), 3 * n + seqs * (width + 2) + 1]
-        cuts.append(cuts[-1] + max(n_logits, 0))
-        size = _HEADER + cuts[-1] + (seqs if flags & _PER_SEQUENCE else 0)
-        message = first
-        if size > _FIRST:
-            rest = torch.empty(size - _FIRST, dtype=torch.int64)
-            self._broadcast(rest)
-            message = torch.cat([first, rest])
-        values = message[_HEADER:size].tolist()
-        ids, positions, slots, tables, seq_lens, qsl, logit_rows = (values[a:b] for a, b in zip([0, *cuts], cuts))
+        message = self.buffer.fit(body)[:body]
+        if not self._read(message):
+            return STOP, 0
+        at = 0
+
+        def take(count: int) -> np.ndarray:
+            nonlocal at
+            at += count
+            return message[at - count : at]
+
+        ids, positions, slots = take(n).tolist(), take(n).tolist(), take(n).copy()
+        seq_lens, qsl, logit_rows = take(seqs).tolist(), take(seqs + 1).tolist(), take(n_logits).tolist()
+        per_seq = take(seqs).tolist() if flags & _PER_SEQUENCE else None
+        src = take(seqs)
+        fresh = src < 0
+        table = self.tables.predict(src, width)
+        table[fresh] = take(int(fresh.sum()) * width).reshape(-1, width)
+        where, values = take(n_changed), take(n_changed)
+        np.put(table, where, values)
+        self.tables.table = table
         return STEP, StepInputs(
             input_ids=ids,
             positions=positions,
             slots=slots,
-            block_tables=np.array(tables, dtype=np.int32).reshape(seqs, width),
+            block_tables=table,
             seq_lens=seq_lens,
             query_start_loc=qsl,
             canonical=bool(flags & _ALL_CANONICAL),
-            logit_rows=None if n_logits < 0 else logit_rows,
-            canonical_seqs=values[cuts[-1] :] if flags & _PER_SEQUENCE else None,
+            logit_rows=None if flags & _ALL_LOGITS else logit_rows,
+            canonical_seqs=per_seq,
             invariant=bool(flags & _INVARIANT),
         )

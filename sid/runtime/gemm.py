@@ -104,6 +104,10 @@ class Gemms:
     use_invariant: bool = False
     min_rows: dict[Shape, int] = field(default_factory=dict)
     """Row counts that proven GEMMs of a shape are padded up to, where that is quicker."""
+    k_chunks: int | None = None
+    """This rank's share of the TP-invariant K-split (``tp_invariant_chunks`` / TP size):
+    row-parallel GEMMs of passes with canonical rows run in that many chunks of their inputs,
+    summed in a fixed tree (``row_parallel``); None = one GEMM."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.use_invariant:
@@ -116,9 +120,28 @@ class Gemms:
         out = run(self.fast, x, weight, bias)
         return out + batch_noise(out, FAULTS.fast_gemm_noise) if FAULTS.fast_gemm_noise else out
 
+    def row_parallel(self, x: torch.Tensor, layer: Linear, canonical: bool) -> torch.Tensor:
+        """A row-parallel layer's partial sum on this rank. With ``k_chunks`` a pass with
+        canonical rows computes each chunk of K by itself (contiguous inputs and weights, so
+        every TP size runs the same GEMMs) and adds them in a balanced tree: at TP size t each
+        rank holds ``k_chunks`` = C / t whole chunks, a subtree of the same tree of C leaves,
+        so the ranks' sums, added as a tree over the ranks, give the bits of one rank
+        computing all C."""
+        if not canonical or self.k_chunks is None:
+            return layer(x)
+        parts = x.chunk(self.k_chunks, -1)
+        return tree_sum([self.linear(part.contiguous(), w) for part, w in zip(parts, layer.chunks)])
+
     def describe(self) -> dict[str, str]:
         """The proven paths by shape, for the fingerprint and the stats."""
         return {f"{o}x{i}{'+bias' if b else ''}": str(p) for (o, i, b), p in sorted((self.invariant or {}).items())}
+
+
+def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` (a power of two of them) added pairwise, level by level: a fixed order."""
+    while len(parts) > 1:
+        parts = [a + b for a, b in zip(parts[::2], parts[1::2])]
+    return parts[0]
 
 
 class Linear(nn.Linear):
@@ -127,6 +150,13 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, gemms: Gemms) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.gemms = gemms
+        self.chunks: list[torch.Tensor] = []
+        """A row-parallel layer's weight split along K for TP-invariant sums (``split``)."""
+
+    def split(self, chunks: int) -> None:
+        """Keep the weight also as ``chunks`` contiguous chunks of its input features."""
+        assert self.in_features % chunks == 0 and self.bias is None
+        self.chunks = [w.contiguous() for w in self.weight.chunk(chunks, -1)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemms.linear(x, self.weight, self.bias)

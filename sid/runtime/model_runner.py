@@ -79,6 +79,10 @@ class StepInputs:
     """Per sequence, 1 = canonical attention (a ride pass: deterministic rows among fast ones)."""
     invariant: bool = False
     """The GEMMs take their row-invariant paths."""
+    seq_keys: Sequence[int] = ()
+    """Rank 0 only: each sequence's identity (its request's arrival; -1 for padding), so the
+    plan channel sends a block-table row as the entries that changed since that sequence's
+    last pass. Workers never need it."""
 
 
 @dataclass
@@ -404,7 +408,8 @@ class ModelRunner:
             elif index is not None:
                 logits = logits[: len(index)]
         else:
-            step = StepInputs(input_ids, positions, *layout, canonical, index, rows.canonical_seqs, invariant)
+            keys = [c.request.arrival for c in chunks] + [-1] * bool(rows.pad)
+            step = StepInputs(input_ids, positions, *layout, canonical, index, rows.canonical_seqs, invariant, keys)
             logits = self.forward(step, fed)
         if logits is None:
             return launched

@@ -6,11 +6,13 @@ inherited, and unlike ``multiprocessing``'s spawn it never re-runs the user's ma
 (scripts need no ``if __name__ == "__main__"`` guard). It reads its ``WorkerSpec`` from
 the store, builds its own shard of the model and its own KV cache (its KV heads; the
 block count rank 0 chose), then loops: receive a plan, run its part of the forward pass,
-take part in the collectives.
+take part in the collectives. Plans arrive through a pipe (``ControlChannel``).
 
 A worker that dies must become a clear error in the engine, never a hang: rank 0 polls
 the workers' exit codes before each step, and when a collective fails it names the dead
 worker (with the last line of its traceback, which a failing worker leaves in the store).
+A worker that hangs makes rank 0's next collective time out (``collective_timeout_s``),
+and the error says so.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -40,8 +43,9 @@ from sid.runtime.distributed import (
     STEP,
     STOP,
     ControlChannel,
+    ControlReceiver,
     TPGroup,
-    init_groups,
+    init_group,
 )
 from sid.runtime.gemm import Gemms, fast_path
 from sid.runtime.model_runner import ModelRunner, StepInputs
@@ -74,29 +78,33 @@ class WorkerSpec:
     num_threads: int
     """Threads per rank: every rank's CPU GEMMs use the count the fingerprint records."""
     size: int
+    collective_timeout: timedelta
+    """How long a model collective waits for a peer before it fails (a hung worker)."""
+    tp_invariant_chunks: int | None
 
     def device(self, rank: int) -> torch.device:
         return torch.device("cuda", rank) if self.device_type == "cuda" else torch.device("cpu")
 
 
-def worker_main(rank: int, port: int) -> None:
-    """A worker's life; a failure leaves its traceback in the store for rank 0 to report."""
+def worker_main(rank: int, port: int, fd: int) -> None:
+    """A worker's life, its plans read from the pipe ``fd``; a failure leaves its traceback
+    in the store for rank 0 to report."""
     store = dist.TCPStore(_HOST, port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     try:
-        _serve(pickle.loads(store.get(f"{_KEY}/spec")), rank, store)
+        _serve(pickle.loads(store.get(f"{_KEY}/spec")), rank, store, ControlReceiver(fd))
     except BaseException:
         with suppress(Exception):  # the store is gone when rank 0 is
             store.set(f"{_KEY}/error/{rank}", traceback.format_exc())
         raise
 
 
-def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore) -> None:
+def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore, control: ControlReceiver) -> None:
     torch.set_num_threads(spec.num_threads)
     device = spec.device(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store.set(f"{_KEY}/joined/{rank}", "1")
-    control = ControlChannel(init_groups(store, rank, spec.size, device))
+    init_group(store, rank, spec.size, device, spec.collective_timeout)
     path = Path(spec.model)
     model = build_model(
         ModelConfig.from_path(path),
@@ -109,6 +117,8 @@ def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore) -> None:
         tp=TPGroup(rank, spec.size),
     )
     model.gemms.fast = fast_path(device)
+    if spec.tp_invariant_chunks is not None:
+        model.split_row_parallel(spec.tp_invariant_chunks)
     store.set(f"{_KEY}/ready/{rank}", "1")
     backend = get_backend(spec.attention_backend, device)
     runner: ModelRunner | None = None
@@ -142,19 +152,24 @@ class TPWorkers:
         self.failure: TPGroupError | None = None
         self.plans_sent, self.plan_seconds = 0, 0.0
         self._closed = False
-        self.control: ControlChannel | None = None
         self.store = dist.TCPStore(_HOST, 0, spec.size, True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
         self.store.set(f"{_KEY}/spec", pickle.dumps(spec))
         env = dict(os.environ)  # NCCL settings (NCCL_NVLS_ENABLE=0 on the lent machines) pass through as they are
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.control = ControlChannel([])
         try:
             for r in range(1, spec.size):
-                code = f"from {__name__} import worker_main; worker_main({r}, {self.store.port})"
+                read, write = os.pipe()
+                self.control.fds.append(write)
+                code = f"from {__name__} import worker_main; worker_main({r}, {self.store.port}, {read})"
                 cmd = [sys.executable, "-c", code]
-                self.procs[r] = subprocess.Popen(cmd, env=env)
+                try:
+                    self.procs[r] = subprocess.Popen(cmd, env=env, pass_fds=(read,))
+                finally:
+                    os.close(read)  # the worker holds it now: its death breaks rank 0's writes
             self._wait_for("joined")
-            self.control = ControlChannel(init_groups(self.store, 0, spec.size, device))
+            init_group(self.store, 0, spec.size, device, spec.collective_timeout)
         except BaseException:
             self.shutdown()
             raise
@@ -171,35 +186,54 @@ class TPWorkers:
     def set_gemms(self, gemms: Gemms) -> None:
         """Every worker takes rank 0's proven GEMM paths and pad floors (its shard has rank 0's shapes)."""
         self._raise_if_dead()
-        assert self.control is not None
         self.store.set(f"{_KEY}/gemms", pickle.dumps((gemms.invariant, gemms.min_rows)))
         self.control.send(GEMMS)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Every worker (re)allocates its KV cache with ``num_blocks`` blocks of its KV heads."""
         self._raise_if_dead()
-        assert self.control is not None
         self.control.send(KV_CACHE, num_blocks)
 
     @contextmanager
     def running(self, step: StepInputs) -> Iterator[None]:
-        """Send ``step`` to the workers; an error inside (a failed collective) stops the group."""
+        """Send ``step`` to the workers; an error inside (a failed collective, a worker gone
+        from the plan pipe) stops the group. A step that failed after waiting out the
+        collective timeout is a hung worker, not a dead one."""
         self._raise_if_dead()
-        assert self.control is not None
+        start = time.perf_counter()
         try:
-            start = time.perf_counter()
             self.control.send_step(step)
             self.plan_seconds += time.perf_counter() - start
             self.plans_sent += 1
             yield
         except Exception as exc:
             # The ranks are out of step now: whatever failed, no further pass can run.
-            dead = self._wait_for_death(_DEATH_GRACE_S)
-            self.failure = self._death(dead) if dead is not None else TPGroupError(
-                f"a tensor-parallel step failed on rank 0 ({exc}); the workers were stopped"
-            )
+            timeout = self.spec.collective_timeout.total_seconds()
+            if time.perf_counter() - start >= timeout:
+                self.failure = TPGroupError(
+                    f"a tensor-parallel collective timed out: rank 0 waited {timeout:g} s (collective_timeout_s) for "
+                    f"a worker that did not take part, which hangs or is far too slow; the workers were stopped "
+                    f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+                )
+            else:
+                dead = self._wait_for_death(_DEATH_GRACE_S)
+                self.failure = self._death(dead) if dead is not None else TPGroupError(
+                    f"a tensor-parallel step failed on rank 0 ({exc}); the workers were stopped"
+                )
             self.shutdown()
             raise self.failure from exc
+
+    def check_health(self) -> None:
+        """Raise ``TPGroupError`` if the group broke or a worker has exited. It only reads
+        exit codes (and a dead worker's last words from the store), so a server may call it
+        from another thread while the engine steps or idles."""
+        if self.failure is not None:
+            raise self.failure
+        dead = self._first_dead()
+        if dead is not None:
+            raise self._death(dead)
+        if self._closed:
+            raise TPGroupError("the tensor-parallel workers were shut down")
 
     def _wait_for(self, stage: str) -> None:
         keys = [f"{_KEY}/{stage}/{r}" for r in self.procs]
@@ -241,9 +275,10 @@ class TPWorkers:
         if self._closed:
             return
         self._closed = True
-        if self.control is not None and self.failure is None:
-            with suppress(Exception):
+        if self.failure is None:
+            with suppress(OSError):  # a worker that is gone already
                 self.control.send(STOP)
+        self.control.close()
         for proc in self.procs.values():
             with suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5.0 if self.failure is None else 0.0)
