@@ -12,18 +12,26 @@ Layout shared by every backend and kernel:
 
 These functions are the numerical ground truth for the Triton kernels and the CPU
 attention backend. ``paged_attention_canonical_ref`` is the canonical schedule of the
-numerics contract (DESIGN 3.1): keys in tiles aligned to absolute positions, combined by
-online softmax in a fixed order, so a row's output depends only on its own position and
-keys, never on the other rows or on how many tiles the batch needed.
+numerics contract (DESIGN 3.1): keys in tiles aligned to absolute positions, combined in a
+fixed order, so a row's output depends only on its own position and keys, never on the
+other rows or on how many tiles the batch needed.
 """
 
 from __future__ import annotations
+
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
 
 CANONICAL_KV_TILE = 64
 """Keys per tile of the canonical schedule; part of the numerics fingerprint."""
+CANONICAL_SHARED_ROWS = 8
+"""From this many query rows of one sequence on, the canonical reference reads the sequence's
+keys once for all of them instead of once per row: a speed choice that changes no bits."""
+CANONICAL_CHUNK = 1 << 22
+"""Elements of the canonical reference's largest temporary (gathered keys, or scores) above
+which it takes its rows in groups: a bound on memory that changes no bits."""
 
 
 def store_kv_ref(
@@ -131,43 +139,156 @@ def paged_attention_canonical_ref(
 ) -> torch.Tensor:
     """Canonical-schedule reference: fixed tiles at absolute positions, fixed combine order.
 
-    Rows advance through tile ``t = 0, 1, ...``; a row whose position is before a tile skips
-    it, which is what a pass over it would compute bit for bit (its scores would all be -inf,
-    leaving the running max, sum and accumulator unchanged). Every op acts on each row with
-    shapes of its own (its keys are gathered per row, its GEMMs are ``group x head_dim`` by
-    ``head_dim x tile``), so a row cannot see the other rows, nor how many there are.
+    A row at position ``p`` attends to tiles ``0 .. p // tile``; for each (row, tile, KV
+    head) its scores are one ``group x head_dim`` by ``head_dim x tile`` GEMM and its
+    weighted values one ``group x tile`` by ``tile x head_dim`` GEMM, each a matrix of a
+    batched matmul, whose bits depend on neither the batch count nor the batch strides
+    (``tests/test_kernels.py`` checks it). The softmax subtracts the row's maximum over all
+    its keys (exact in any order), and the tiles' weighted values and weight sums are folded
+    in a binary tree over absolute tile indices, where tiles past the row's last are exact
+    zeros. So a row's output depends only on its position and keys: not on the other rows,
+    how many there are, how a prompt was chunked, nor which of the two ways below computed it
+    (rows that read their own copy of their keys, or the rows of one sequence that share one).
     """
     n, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    num_kv_heads = k_cache.shape[2]
+    qf = (q.float() * scale).view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
     seq_idx, pos = query_positions(seq_lens, query_start_loc)
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    qf = (q.float() * scale).view(n, num_kv_heads, group, head_dim)
-    m = torch.full((n, num_kv_heads, group), float("-inf"), device=q.device)
-    denom = torch.zeros((n, num_kv_heads, group), device=q.device)
-    acc = torch.zeros((n, num_kv_heads, group, head_dim), device=q.device)
-    num_tiles = (int(pos.max()) // tile + 1) if n else 0
-    offsets = torch.arange(tile, device=q.device)
-    for t in range(num_tiles):
-        rows = (pos >= t * tile).nonzero()[:, 0]  # the rows that reach this tile (prefill: a triangle)
-        r_pos = pos[rows]
-        kp = (t * tile + offsets)[None, :].expand(len(rows), tile)
-        # Keys past a row's position are masked anyway; gather the row's own last key in their
-        # place, so unwritten slots and unused block-table entries are never read.
-        read_pos = torch.minimum(kp, r_pos[:, None])
-        slots = _slots(block_tables, seq_idx[rows][:, None].expand(len(rows), tile), read_pos, block_size)
-        k = flat_k[slots].float()  # [rows, tile, kvh, d]
-        v = flat_v[slots].float()
-        scores = torch.einsum("nkgd,ntkd->nkgt", qf[rows], k)
-        scores = scores.masked_fill(~(kp <= r_pos[:, None])[:, None, None, :], float("-inf"))
-        m_old = m[rows]
-        m_new = torch.maximum(m_old, scores.amax(dim=-1))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(scores - m_safe[..., None])
-        alpha = torch.exp(m_old - m_safe)
-        denom[rows] = denom[rows] * alpha + p.sum(dim=-1)
-        acc[rows] = acc[rows] * alpha[..., None] + torch.einsum("nkgt,ntkd->nkgd", p, v)
-        m[rows] = m_new
-    out = acc / denom[..., None]
+    starts = query_start_loc.tolist()
+    shared = [(s, a, b) for s, (a, b) in enumerate(pairwise(starts)) if b - a >= CANONICAL_SHARED_ROWS]
+    if not shared:
+        out = _own_keys(qf, k_cache, v_cache, block_tables, seq_idx, pos, tile)
+    else:
+        out = torch.empty_like(qf)
+        own = torch.ones(n, dtype=torch.bool, device=q.device)
+        lens = seq_lens.tolist()
+        for s, a, b in shared:
+            out[a:b] = _shared_keys(qf[a:b], k_cache, v_cache, block_tables[s], lens[s] - (b - a), tile)
+            own[a:b] = False
+        rows = own.nonzero()[:, 0]
+        if len(rows):
+            out[rows] = _own_keys(qf[rows], k_cache, v_cache, block_tables, seq_idx[rows], pos[rows], tile)
     return out.view(n, num_heads, head_dim).to(q.dtype)
+
+
+def _own_keys(
+    qf: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_idx: torch.Tensor,
+    pos: torch.Tensor,
+    tile: int,
+) -> torch.Tensor:
+    """Canonical attention of rows ``qf`` (scaled, ``[rows, kv_heads, group, head_dim]``) that
+    each gather their own keys, in groups of rows whose keys fit ``CANONICAL_CHUNK``."""
+    n, num_kv_heads, _, head_dim = qf.shape
+    tiles = pos // tile + 1
+    ends = tiles.cumsum(0)
+    limit = max(1, CANONICAL_CHUNK // (tile * num_kv_heads * head_dim))  # (row, tile) pairs per group
+    if int(ends[-1]) <= limit:
+        return _pairs(qf, k_cache, v_cache, block_tables, seq_idx, pos, tiles, tile)
+    cuts = torch.searchsorted(ends, torch.arange(limit, int(ends[-1]), limit, device=qf.device), right=True)
+    bounds = sorted({0, n, *cuts.tolist()})
+    return torch.cat([
+        _pairs(qf[a:b], k_cache, v_cache, block_tables, seq_idx[a:b], pos[a:b], tiles[a:b], tile)
+        for a, b in pairwise(bounds)
+    ])
+
+
+def _pairs(
+    qf: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_idx: torch.Tensor,
+    pos: torch.Tensor,
+    tiles: torch.Tensor,
+    tile: int,
+) -> torch.Tensor:
+    """``_own_keys`` for one group: all its (row, tile) pairs at once, no op per row or tile."""
+    n, num_kv_heads, group, head_dim = qf.shape
+    num_pairs, width = int(tiles.sum()), _tree_width(int(tiles.max()))
+    row = torch.repeat_interleave(torch.arange(n, device=qf.device), tiles, output_size=num_pairs)
+    pair_tile = torch.arange(num_pairs, device=qf.device) - (tiles.cumsum(0) - tiles)[row]
+    key_pos = pair_tile[:, None] * tile + torch.arange(tile, device=qf.device)  # [pairs, tile]
+    row_pos = pos[row][:, None]
+    # Keys past a row's position are masked anyway; gather the row's own last key in their
+    # place, so unwritten slots and unused block-table entries are never read.
+    slots = _slots(block_tables, seq_idx[row][:, None], torch.minimum(key_pos, row_pos), k_cache.shape[1])
+    k, v = _gather_tiles(k_cache, v_cache, slots)
+    scores = torch.bmm(qf.index_select(0, row).view(-1, group, head_dim), k.transpose(1, 2))
+    scores = scores.view(num_pairs, num_kv_heads, group, tile)
+    scores.masked_fill_((key_pos > row_pos)[:, None, None, :], float("-inf"))
+    cell = pair_tile * n + row  # the pair's place in a [width, rows] grid of tiles
+    maxima = torch.full((width * n, num_kv_heads, group), float("-inf"), device=qf.device)
+    m = maxima.index_copy_(0, cell, scores.amax(dim=-1)).view(width, n, num_kv_heads, group).amax(dim=0)
+    p = torch.exp(scores - m.index_select(0, row)[..., None])
+    weighted = torch.bmm(p.view(-1, group, tile), v).view(num_pairs, num_kv_heads, group, head_dim)
+    grid = torch.zeros((width * n, num_kv_heads, group, head_dim + 1), device=qf.device)
+    grid.index_copy_(0, cell, torch.cat([weighted, p.sum(dim=-1, keepdim=True)], dim=-1))
+    return _combine(grid.view(width, n, num_kv_heads, group, head_dim + 1))
+
+
+def _shared_keys(
+    qf: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, first: int, tile: int
+) -> torch.Tensor:
+    """Canonical attention of one sequence's rows ``qf`` (scaled, ``[rows, kv_heads, group,
+    head_dim]``, at positions ``first, first + 1, ...``), which read one copy of the sequence's
+    keys: per (tile, KV head), one batched matmul over the rows that reach the tile, the
+    tile's keys broadcast to every row (batch stride 0). In groups of rows that keep the
+    scores within ``CANONICAL_CHUNK`` elements."""
+    n, num_kv_heads, group, head_dim = qf.shape
+    tiles = (first + n - 1) // tile + 1
+    step = max(1, CANONICAL_CHUNK // (tiles * tile * num_kv_heads * group))
+    if n > step:
+        parts = [_shared_keys(qf[a : a + step], k_cache, v_cache, block_table, first + a, tile) for a in range(0, n, step)]
+        return torch.cat(parts)
+    key_pos = torch.arange(tiles * tile, device=qf.device)
+    # Keys past the last row are masked for every row; read the last row's key in their place.
+    slots = _slots(block_table[None, :], torch.zeros_like(key_pos), key_pos.clamp(max=first + n - 1), k_cache.shape[1])
+    k, v = (x.view(tiles, num_kv_heads, tile, head_dim) for x in _gather_tiles(k_cache, v_cache, slots.view(tiles, -1)))
+    reach = [max(0, t * tile - first) for t in range(tiles)]  # the first row that reaches each tile
+    scores = torch.empty((tiles, num_kv_heads, n, group, tile), device=qf.device)
+    for t, r in enumerate(reach):
+        for h in range(num_kv_heads):
+            torch.bmm(qf[r:, h], k[t, h].t().expand(n - r, head_dim, tile), out=scores[t, h, r:])
+    pos = first + torch.arange(n, device=qf.device)
+    # Also fills what no GEMM wrote: tiles a row does not reach are past its position.
+    scores.masked_fill_(key_pos.view(tiles, 1, 1, 1, tile) > pos.view(1, 1, n, 1, 1), float("-inf"))
+    p = torch.exp(scores - scores.amax(dim=(0, 4))[None, ..., None])
+    weighted = torch.zeros((tiles, num_kv_heads, n, group, head_dim), device=qf.device)
+    for t, r in enumerate(reach):
+        for h in range(num_kv_heads):
+            torch.bmm(p[t, h, r:], v[t, h].expand(n - r, tile, head_dim), out=weighted[t, h, r:])
+    return _combine(torch.cat([weighted, p.sum(dim=-1, keepdim=True)], dim=-1)).transpose(0, 1)
+
+
+def _gather_tiles(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of ``slots`` (``[tiles, tile]``) in float32, as ``[tiles * kv_heads,
+    tile, head_dim]``: each (tile, KV head) one contiguous matrix, the layout every canonical
+    GEMM reads."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    heads = torch.arange(num_kv_heads, device=slots.device)
+    index = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).view(-1)
+    shape = (-1, slots.shape[1], head_dim)
+    k = k_cache.view(-1, head_dim).index_select(0, index).float().view(shape)
+    return k, v_cache.view(-1, head_dim).index_select(0, index).float().view(shape)
+
+
+def _tree_width(tiles: int) -> int:
+    """Leaves of the combine tree: ``tiles`` rounded up to a power of two."""
+    return 1 << (tiles - 1).bit_length()
+
+
+def _combine(grid: torch.Tensor) -> torch.Tensor:
+    """The output from per-tile [weighted values | weight sum] (``grid``, tiles on dim 0): a
+    binary tree over absolute tile indices, its leaves padded to a power of two. Tiles past a
+    row's last are zeros, and adding zeros leaves every node's bits alone, so the tree's width
+    does not matter."""
+    width = _tree_width(grid.shape[0])
+    if width > grid.shape[0]:
+        grid = torch.cat([grid, grid.new_zeros((width - grid.shape[0], *grid.shape[1:]))])
+    while grid.shape[0] > 1:
+        grid = grid[0::2] + grid[1::2]
+    return grid[0, ..., :-1] / grid[0, ..., -1:]
