@@ -23,6 +23,7 @@ from sid.kernels.attention_ref import (
     store_kv_ref,
 )
 from sid.kernels.kv_store import store_kv
+from sid.runtime.attention import AttentionMetadata, TorchAttentionBackend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK_SIZE = 16
@@ -298,6 +299,39 @@ def test_canonical_reference_rows_keep_their_bits_alone_among_others_and_chunked
         for i, size in enumerate((1, 3, attention_ref.CANONICAL_SHARED_ROWS - 1, attention_ref.CANONICAL_SHARED_ROWS, 13, 64, ctx)):
             chunks = [rows(a, min(a + size, ctx) - 1, (i + a) % 6) for a in range(0, ctx, size)]
             assert torch.equal(torch.cat(chunks), alone), f"chunks of {size} rows, grouped={grouped}"
+
+
+def test_torch_backend_gives_each_sequence_its_schedule_and_every_layer_the_same_split() -> None:
+    """The CPU backend with per-sequence flags: canonical sequences get the bits of an
+    all-canonical batch, fast ones agree with the fast reference; the split it makes in the
+    first layer (``meta.memo``) serves the next layers, whatever their K/V."""
+    pool = Pool(260, 2, 64, torch.bfloat16, seed=41)
+    shapes = [(300, 1), (37, 37), (130, 5), (1, 1), (200, 12), (90, 1)]
+    batch = mixed_batch(pool, 4, shapes)
+    batch.q = batch.q.to(torch.bfloat16)
+    flags = torch.tensor([1, 0, 1, 0, 1, 1], dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(batch.q), dtype=torch.int64),
+        block_tables=batch.block_tables,
+        seq_lens=batch.seq_lens,
+        query_start_loc=batch.query_start_loc,
+        max_query_len=37,
+        max_seq_len=300,
+        canonical=flags,
+        schedules=(True, True),
+    )
+    backend, starts = TorchAttentionBackend(), batch.query_start_loc.tolist()
+    for layer in range(2):
+        if layer:
+            pool.k, pool.v = pool.v.clone(), pool.k.clone()  # another layer: the same rows, other keys
+        got = backend.attend(batch.q, pool.k, pool.v, meta, 0.125)
+        canon = paged_attention_canonical_ref(*batch.args(pool), 0.125)
+        for s, flag in enumerate(flags.tolist()):
+            rows = slice(starts[s], starts[s + 1])
+            if flag:
+                assert torch.equal(got[rows], canon[rows]), f"sequence {s}, layer {layer}"
+        _close(got, paged_attention_ref(*batch.args(pool), 0.125), torch.bfloat16)
+    assert list(meta.memo) == [backend.name]
 
 
 @pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (1, 64), (8, 32)])

@@ -19,6 +19,7 @@ other rows or on how many tiles the batch needed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import pairwise
 
 import torch
@@ -136,6 +137,7 @@ def paged_attention_canonical_ref(
     query_start_loc: torch.Tensor,
     scale: float,
     tile: int = CANONICAL_KV_TILE,
+    plan: CanonicalPlan | None = None,
 ) -> torch.Tensor:
     """Canonical-schedule reference: fixed tiles at absolute positions, fixed combine order.
 
@@ -147,133 +149,190 @@ def paged_attention_canonical_ref(
     its keys (exact in any order), and the tiles' weighted values and weight sums are folded
     in a binary tree over absolute tile indices, where tiles past the row's last are exact
     zeros. So a row's output depends only on its position and keys: not on the other rows,
-    how many there are, how a prompt was chunked, nor which of the two ways below computed it
-    (rows that read their own copy of their keys, or the rows of one sequence that share one).
+    how many there are, how a prompt was chunked, nor which of the two ways of
+    ``canonical_plan`` computed it. ``plan`` is that index work for these rows, if already done.
     """
+    if plan is None:
+        plan = canonical_plan(q.shape[1], k_cache, block_tables, seq_lens, query_start_loc, tile)
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     qf = (q.float() * scale).view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    seq_idx, pos = query_positions(seq_lens, query_start_loc)
-    starts = query_start_loc.tolist()
-    shared = [(s, a, b) for s, (a, b) in enumerate(pairwise(starts)) if b - a >= CANONICAL_SHARED_ROWS]
-    if not shared:
-        out = _own_keys(qf, k_cache, v_cache, block_tables, seq_idx, pos, tile)
-    else:
-        out = torch.empty_like(qf)
-        own = torch.ones(n, dtype=torch.bool, device=q.device)
-        lens = seq_lens.tolist()
-        for s, a, b in shared:
-            out[a:b] = _shared_keys(qf[a:b], k_cache, v_cache, block_tables[s], lens[s] - (b - a), tile)
-            own[a:b] = False
-        rows = own.nonzero()[:, 0]
-        if len(rows):
-            out[rows] = _own_keys(qf[rows], k_cache, v_cache, block_tables, seq_idx[rows], pos[rows], tile)
+    out = torch.empty_like(qf)
+    for part in plan.parts:
+        out[part.rows] = part.attend(qf[part.rows], k_cache, v_cache)
     return out.view(n, num_heads, head_dim).to(q.dtype)
 
 
-def _own_keys(
-    qf: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_idx: torch.Tensor,
-    pos: torch.Tensor,
-    tile: int,
-) -> torch.Tensor:
-    """Canonical attention of rows ``qf`` (scaled, ``[rows, kv_heads, group, head_dim]``) that
-    each gather their own keys, in groups of rows whose keys fit ``CANONICAL_CHUNK``."""
-    n, num_kv_heads, _, head_dim = qf.shape
-    tiles = pos // tile + 1
-    ends = tiles.cumsum(0)
-    limit = max(1, CANONICAL_CHUNK // (tile * num_kv_heads * head_dim))  # (row, tile) pairs per group
-    if int(ends[-1]) <= limit:
-        return _pairs(qf, k_cache, v_cache, block_tables, seq_idx, pos, tiles, tile)
-    cuts = torch.searchsorted(ends, torch.arange(limit, int(ends[-1]), limit, device=qf.device), right=True)
-    bounds = sorted({0, n, *cuts.tolist()})
-    return torch.cat([
-        _pairs(qf[a:b], k_cache, v_cache, block_tables, seq_idx[a:b], pos[a:b], tiles[a:b], tile)
-        for a, b in pairwise(bounds)
-    ])
+@dataclass
+class _Pairs:
+    """Rows that each gather their own keys: all their (row, tile) pairs at once, in one
+    batched matmul per GEMM, with no op per row or tile."""
+
+    rows: slice | torch.Tensor
+    """This part's rows of the batch."""
+    row: torch.Tensor
+    """Per pair: its row, within this part."""
+    cell: torch.Tensor
+    """Per pair: its place in a ``[width, rows]`` grid of tiles."""
+    past: torch.Tensor
+    """Per pair ``[pairs, 1, 1, tile]``: keys past the row's position."""
+    index: torch.Tensor
+    """The cache rows (of ``[slots * kv_heads, head_dim]``) of every pair's keys and values."""
+    width: int
+    """Leaves of the combine tree."""
+
+    @classmethod
+    def plan(
+        cls,
+        rows: slice | torch.Tensor,
+        k_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_idx: torch.Tensor,
+        pos: torch.Tensor,
+        tiles: torch.Tensor,
+        tile: int,
+    ) -> _Pairs:
+        n, num_pairs = len(pos), int(tiles.sum())
+        row = torch.repeat_interleave(torch.arange(n, device=pos.device), tiles, output_size=num_pairs)
+        pair_tile = torch.arange(num_pairs, device=pos.device) - (tiles.cumsum(0) - tiles)[row]
+        key_pos = pair_tile[:, None] * tile + torch.arange(tile, device=pos.device)  # [pairs, tile]
+        row_pos = pos[row][:, None]
+        # Keys past a row's position are masked anyway; gather the row's own last key in their
+        # place, so unwritten slots and unused block-table entries are never read.
+        slots = _slots(block_tables, seq_idx[row][:, None], torch.minimum(key_pos, row_pos), k_cache.shape[1])
+        width = _tree_width(int(tiles.max()))
+        return cls(rows, row, pair_tile * n + row, (key_pos > row_pos)[:, None, None, :], _gather_index(k_cache, slots), width)
+
+    def attend(self, qf: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Scaled queries ``[rows, kv_heads, group, head_dim]`` -> float32 outputs of that shape."""
+        n, num_kv_heads, group, head_dim = qf.shape
+        num_pairs, tile = self.past.shape[0], self.past.shape[-1]
+        k, v = _gather(k_cache, self.index, tile), _gather(v_cache, self.index, tile)
+        scores = torch.bmm(qf.index_select(0, self.row).view(-1, group, head_dim), k.transpose(1, 2))
+        scores = scores.view(num_pairs, num_kv_heads, group, tile).masked_fill_(self.past, float("-inf"))
+        maxima = torch.full((self.width * n, num_kv_heads, group), float("-inf"), device=qf.device)
+        maxima.index_copy_(0, self.cell, scores.amax(dim=-1))
+        m = maxima.view(self.width, n, num_kv_heads, group).amax(dim=0)  # every pair's tile has a valid key
+        p = torch.exp(scores - m.index_select(0, self.row)[..., None])
+        weighted = torch.bmm(p.view(-1, group, tile), v).view(num_pairs, num_kv_heads, group, head_dim)
+        grid = torch.zeros((self.width * n, num_kv_heads, group, head_dim + 1), device=qf.device)
+        grid.index_copy_(0, self.cell, torch.cat([weighted, p.sum(dim=-1, keepdim=True)], dim=-1))
+        return _combine(grid.view(self.width, n, num_kv_heads, group, head_dim + 1))
 
 
-def _pairs(
-    qf: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_idx: torch.Tensor,
-    pos: torch.Tensor,
-    tiles: torch.Tensor,
-    tile: int,
-) -> torch.Tensor:
-    """``_own_keys`` for one group: all its (row, tile) pairs at once, no op per row or tile."""
-    n, num_kv_heads, group, head_dim = qf.shape
-    num_pairs, width = int(tiles.sum()), _tree_width(int(tiles.max()))
-    row = torch.repeat_interleave(torch.arange(n, device=qf.device), tiles, output_size=num_pairs)
-    pair_tile = torch.arange(num_pairs, device=qf.device) - (tiles.cumsum(0) - tiles)[row]
-    key_pos = pair_tile[:, None] * tile + torch.arange(tile, device=qf.device)  # [pairs, tile]
-    row_pos = pos[row][:, None]
-    # Keys past a row's position are masked anyway; gather the row's own last key in their
-    # place, so unwritten slots and unused block-table entries are never read.
-    slots = _slots(block_tables, seq_idx[row][:, None], torch.minimum(key_pos, row_pos), k_cache.shape[1])
-    k, v = _gather_tiles(k_cache, v_cache, slots)
-    scores = torch.bmm(qf.index_select(0, row).view(-1, group, head_dim), k.transpose(1, 2))
-    scores = scores.view(num_pairs, num_kv_heads, group, tile)
-    scores.masked_fill_((key_pos > row_pos)[:, None, None, :], float("-inf"))
-    cell = pair_tile * n + row  # the pair's place in a [width, rows] grid of tiles
-    maxima = torch.full((width * n, num_kv_heads, group), float("-inf"), device=qf.device)
-    m = maxima.index_copy_(0, cell, scores.amax(dim=-1)).view(width, n, num_kv_heads, group).amax(dim=0)
-    p = torch.exp(scores - m.index_select(0, row)[..., None])
-    weighted = torch.bmm(p.view(-1, group, tile), v).view(num_pairs, num_kv_heads, group, head_dim)
-    grid = torch.zeros((width * n, num_kv_heads, group, head_dim + 1), device=qf.device)
-    grid.index_copy_(0, cell, torch.cat([weighted, p.sum(dim=-1, keepdim=True)], dim=-1))
-    return _combine(grid.view(width, n, num_kv_heads, group, head_dim + 1))
-
-
-def _shared_keys(
-    qf: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, first: int, tile: int
-) -> torch.Tensor:
-    """Canonical attention of one sequence's rows ``qf`` (scaled, ``[rows, kv_heads, group,
-    head_dim]``, at positions ``first, first + 1, ...``), which read one copy of the sequence's
+@dataclass
+class _Shared:
+    """Rows of one sequence (consecutive positions from ``first``) that read one copy of its
     keys: per (tile, KV head), one batched matmul over the rows that reach the tile, the
-    tile's keys broadcast to every row (batch stride 0). In groups of rows that keep the
-    scores within ``CANONICAL_CHUNK`` elements."""
-    n, num_kv_heads, group, head_dim = qf.shape
-    tiles = (first + n - 1) // tile + 1
-    step = max(1, CANONICAL_CHUNK // (tiles * tile * num_kv_heads * group))
-    if n > step:
-        parts = [_shared_keys(qf[a : a + step], k_cache, v_cache, block_table, first + a, tile) for a in range(0, n, step)]
-        return torch.cat(parts)
-    key_pos = torch.arange(tiles * tile, device=qf.device)
-    # Keys past the last row are masked for every row; read the last row's key in their place.
-    slots = _slots(block_table[None, :], torch.zeros_like(key_pos), key_pos.clamp(max=first + n - 1), k_cache.shape[1])
-    k, v = (x.view(tiles, num_kv_heads, tile, head_dim) for x in _gather_tiles(k_cache, v_cache, slots.view(tiles, -1)))
-    reach = [max(0, t * tile - first) for t in range(tiles)]  # the first row that reaches each tile
-    scores = torch.empty((tiles, num_kv_heads, n, group, tile), device=qf.device)
-    for t, r in enumerate(reach):
-        for h in range(num_kv_heads):
-            torch.bmm(qf[r:, h], k[t, h].t().expand(n - r, head_dim, tile), out=scores[t, h, r:])
-    pos = first + torch.arange(n, device=qf.device)
-    # Also fills what no GEMM wrote: tiles a row does not reach are past its position.
-    scores.masked_fill_(key_pos.view(tiles, 1, 1, 1, tile) > pos.view(1, 1, n, 1, 1), float("-inf"))
-    p = torch.exp(scores - scores.amax(dim=(0, 4))[None, ..., None])
-    weighted = torch.zeros((tiles, num_kv_heads, n, group, head_dim), device=qf.device)
-    for t, r in enumerate(reach):
-        for h in range(num_kv_heads):
-            torch.bmm(p[t, h, r:], v[t, h].expand(n - r, tile, head_dim), out=weighted[t, h, r:])
-    return _combine(torch.cat([weighted, p.sum(dim=-1, keepdim=True)], dim=-1)).transpose(0, 1)
+    tile's keys broadcast to every row (batch stride 0)."""
+
+    rows: slice
+    first: int
+    past: torch.Tensor
+    """``[tiles, 1, rows, 1, tile]``: keys past each row's position."""
+    index: torch.Tensor
+    """The cache rows of the sequence's keys and values, as in ``_Pairs``."""
+
+    @classmethod
+    def plan(cls, rows: slice, k_cache: torch.Tensor, block_table: torch.Tensor, first: int, tile: int) -> _Shared:
+        n = rows.stop - rows.start
+        tiles = (first + n - 1) // tile + 1
+        key_pos = torch.arange(tiles * tile, device=block_table.device)
+        # Keys past the last row are masked for every row; read the last row's key in their place.
+        slots = _slots(block_table[None, :], torch.zeros_like(key_pos), key_pos.clamp(max=first + n - 1), k_cache.shape[1])
+        pos = first + torch.arange(n, device=block_table.device)
+        past = key_pos.view(tiles, 1, 1, 1, tile) > pos.view(1, 1, n, 1, 1)
+        return cls(rows, first, past, _gather_index(k_cache, slots.view(tiles, tile)))
+
+    def attend(self, qf: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """As ``_Pairs.attend``."""
+        n, num_kv_heads, group, head_dim = qf.shape
+        tiles, tile = self.past.shape[0], self.past.shape[-1]
+        k = _gather(k_cache, self.index, tile).view(tiles, num_kv_heads, tile, head_dim)
+        v = _gather(v_cache, self.index, tile).view(tiles, num_kv_heads, tile, head_dim)
+        reach = [max(0, t * tile - self.first) for t in range(tiles)]  # the first row that reaches each tile
+        scores = torch.empty((tiles, num_kv_heads, n, group, tile), device=qf.device)
+        for t, r in enumerate(reach):
+            for h in range(num_kv_heads):
+                torch.bmm(qf[r:, h], k[t, h].t().expand(n - r, head_dim, tile), out=scores[t, h, r:])
+        scores.masked_fill_(self.past, float("-inf"))  # also what no GEMM wrote: tiles past a row's position
+        p = torch.exp(scores - scores.amax(dim=(0, 4))[None, ..., None])
+        weighted = torch.zeros((tiles, num_kv_heads, n, group, head_dim), device=qf.device)
+        for t, r in enumerate(reach):
+            for h in range(num_kv_heads):
+                torch.bmm(p[t, h, r:], v[t, h].expand(n - r, tile, head_dim), out=weighted[t, h, r:])
+        return _combine(torch.cat([weighted, p.sum(dim=-1, keepdim=True)], dim=-1)).transpose(0, 1)
 
 
-def _gather_tiles(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of ``slots`` (``[tiles, tile]``) in float32, as ``[tiles * kv_heads,
-    tile, head_dim]``: each (tile, KV head) one contiguous matrix, the layout every canonical
-    GEMM reads."""
+@dataclass
+class CanonicalPlan:
+    """The canonical reference's index work for a batch of rows (``canonical_plan``). It
+    depends on the batch's metadata alone, so every layer of a step can share it."""
+
+    parts: list[_Pairs | _Shared]
+
+
+def canonical_plan(
+    num_heads: int,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tile: int = CANONICAL_KV_TILE,
+) -> CanonicalPlan:
+    """How ``paged_attention_canonical_ref`` takes the rows of a batch (of ``num_heads`` query
+    heads; of the cache only the shape is read).
+
+    The rows of a sequence with at least ``CANONICAL_SHARED_ROWS`` of them share one copy of
+    its keys, in groups whose scores fit ``CANONICAL_CHUNK``; the other rows gather their own,
+    in groups whose keys fit it. Either way a row gets the same bits.
+    """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    seq_idx, pos = query_positions(seq_lens, query_start_loc)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    n = starts[-1]
+    parts: list[_Pairs | _Shared] = []
+    own: slice | torch.Tensor = slice(0, n)
+    for s, (a, b) in enumerate(pairwise(starts)):
+        if b - a < CANONICAL_SHARED_ROWS:
+            continue
+        step = max(1, CANONICAL_CHUNK // ((lens[s] - 1) // tile + 1) // (tile * num_heads))  # rows per group
+        for start in range(a, b, step):
+            rows = slice(start, min(start + step, b))
+            parts.append(_Shared.plan(rows, k_cache, block_tables[s], lens[s] - b + start, tile))
+        if isinstance(own, slice):
+            own = torch.ones(n, dtype=torch.bool, device=pos.device)
+        own[a:b] = False
+    if isinstance(own, torch.Tensor):
+        own = own.nonzero()[:, 0]
+        seq_idx, pos = seq_idx[own], pos[own]
+    if len(pos):
+        tiles = pos // tile + 1
+        ends = tiles.cumsum(0)
+        limit = max(1, CANONICAL_CHUNK // (tile * num_kv_heads * head_dim))  # (row, tile) pairs per group
+        bounds = [0, len(pos)]
+        if int(ends[-1]) > limit:
+            cuts = torch.searchsorted(ends, torch.arange(limit, int(ends[-1]), limit, device=pos.device), right=True)
+            bounds = sorted({*bounds, *cuts.tolist()})
+        for a, b in pairwise(bounds):
+            rows = slice(a, b) if isinstance(own, slice) else own[a:b]
+            parts.append(_Pairs.plan(rows, k_cache, block_tables, seq_idx[a:b], pos[a:b], tiles[a:b], tile))
+    return CanonicalPlan(parts)
+
+
+def _gather_index(k_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The rows of the cache viewed as ``[slots * kv_heads, head_dim]`` that ``_gather`` reads
+    for ``slots`` (``[tiles, tile]``), ordered (tile, KV head, key)."""
+    num_kv_heads = k_cache.shape[2]
     heads = torch.arange(num_kv_heads, device=slots.device)
-    index = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).view(-1)
-    shape = (-1, slots.shape[1], head_dim)
-    k = k_cache.view(-1, head_dim).index_select(0, index).float().view(shape)
-    return k, v_cache.view(-1, head_dim).index_select(0, index).float().view(shape)
+    return (slots[:, None, :] * num_kv_heads + heads[None, :, None]).view(-1)
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor, tile: int) -> torch.Tensor:
+    """Keys or values at ``index`` in float32, ``[tiles * kv_heads, tile, head_dim]``: each
+    (tile, KV head) one contiguous matrix, the layout every canonical GEMM reads."""
+    head_dim = cache.shape[-1]
+    return cache.view(-1, head_dim).index_select(0, index).float().view(-1, tile, head_dim)
 
 
 def _tree_width(tiles: int) -> int:
