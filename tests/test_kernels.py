@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from sid.kernels import attention_ref
 from sid.kernels import paged_attention as attention
 from sid.kernels.attention_ref import (
     paged_attention_canonical_ref,
@@ -22,6 +23,7 @@ from sid.kernels.attention_ref import (
     store_kv_ref,
 )
 from sid.kernels.kv_store import store_kv
+from sid.runtime.attention import AttentionMetadata, TorchAttentionBackend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK_SIZE = 16
@@ -265,6 +267,99 @@ def test_canonical_rows_are_bit_identical_in_any_batch(dtype: torch.dtype, impl:
     for pos, outs in results.items():
         for other in outs[1:]:
             assert torch.equal(outs[0], other), f"position {pos} changed bits with the batch"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "heads", "kv_heads", "head_dim"),
+    [(torch.float32, 6, 2, 64), (torch.bfloat16, 6, 2, 64), (torch.float32, 4, 1, 32)],
+)
+def test_canonical_reference_rows_keep_their_bits_alone_among_others_and_chunked(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU's canonical attention: every position of a 300-token prompt (5 tiles) gets the
+    bits it gets as a lone decode when its prompt is chunked in 1..300 rows, beside 0..5 other
+    sequences (decodes and chunks), whether its rows read their own keys or share their
+    sequence's (``CANONICAL_SHARED_ROWS``), and however the rows are grouped (``CANONICAL_CHUNK``)."""
+    ctx, scale = 300, 0.125
+    pool = Pool(160, kv_heads, head_dim, dtype, seed=31 + heads)
+    blocks = pool.add(*pool.random_kv(ctx))
+    q_all = torch.randn(ctx, heads, head_dim, generator=pool.gen).to(dtype)
+    others = []
+    for other_ctx, q_len in [(70, 1), (200, 9), (5, 5), (130, 1), (64, 2)]:
+        q = torch.randn(q_len, heads, head_dim, generator=pool.gen).to(dtype)
+        others.append((pool.add(*pool.random_kv(other_ctx)), other_ctx, q))
+
+    def rows(first: int, last: int, company: int) -> torch.Tensor:
+        """Positions ``first .. last`` of the prompt, as one chunk placed among ``company`` others."""
+        seqs = others[:company]
+        seqs.insert(company // 2, (blocks, last + 1, q_all[first : last + 1]))
+        batch = make_batch(seqs)
+        start = int(batch.query_start_loc[company // 2])
+        return paged_attention_canonical_ref(*batch.args(pool), scale)[start : start + last + 1 - first]
+
+    alone = torch.cat([rows(p, p, 0) for p in range(ctx)])
+    assert attention_ref.CANONICAL_SHARED_ROWS in range(2, 65)
+    for grouped in (False, True):
+        if grouped:  # a few (row, tile) pairs, and a few rows of a shared sequence, per group
+            monkeypatch.setattr(attention_ref, "CANONICAL_CHUNK", 3 * 64 * 64 * heads)
+        for i, size in enumerate((1, 3, attention_ref.CANONICAL_SHARED_ROWS - 1, attention_ref.CANONICAL_SHARED_ROWS, 13, 64, ctx)):
+            chunks = [rows(a, min(a + size, ctx) - 1, (i + a) % 6) for a in range(0, ctx, size)]
+            assert torch.equal(torch.cat(chunks), alone), f"chunks of {size} rows, grouped={grouped}"
+
+
+def test_torch_backend_gives_each_sequence_its_schedule_and_every_layer_the_same_split() -> None:
+    """The CPU backend with per-sequence flags: canonical sequences get the bits of an
+    all-canonical batch, fast ones agree with the fast reference; the split it makes in the
+    first layer (``meta.memo``) serves the next layers, whatever their K/V."""
+    pool = Pool(260, 2, 64, torch.bfloat16, seed=41)
+    shapes = [(300, 1), (37, 37), (130, 5), (1, 1), (200, 12), (90, 1)]
+    batch = mixed_batch(pool, 4, shapes)
+    batch.q = batch.q.to(torch.bfloat16)
+    flags = torch.tensor([1, 0, 1, 0, 1, 1], dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(batch.q), dtype=torch.int64),
+        block_tables=batch.block_tables,
+        seq_lens=batch.seq_lens,
+        query_start_loc=batch.query_start_loc,
+        max_query_len=37,
+        max_seq_len=300,
+        canonical=flags,
+        schedules=(True, True),
+    )
+    backend, starts = TorchAttentionBackend(), batch.query_start_loc.tolist()
+    for layer in range(2):
+        if layer:
+            pool.k, pool.v = pool.v.clone(), pool.k.clone()  # another layer: the same rows, other keys
+        got = backend.attend(batch.q, pool.k, pool.v, meta, 0.125)
+        canon = paged_attention_canonical_ref(*batch.args(pool), 0.125)
+        for s, flag in enumerate(flags.tolist()):
+            rows = slice(starts[s], starts[s + 1])
+            if flag:
+                assert torch.equal(got[rows], canon[rows]), f"sequence {s}, layer {layer}"
+        _close(got, paged_attention_ref(*batch.args(pool), 0.125), torch.bfloat16)
+    assert list(meta.memo) == [backend.name]
+
+
+@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (1, 64), (8, 32)])
+def test_canonical_reference_gemms_ignore_batch_count_slot_and_stride(group: int, head_dim: int) -> None:
+    """What the canonical reference's bits rest on: each matrix of a float32 ``torch.bmm``, at
+    its shapes (``group x head_dim`` by ``head_dim x tile``, ``group x tile`` by ``tile x
+    head_dim``), gets the same bits at every batch count, in every slot, and with the other
+    operand broadcast at batch stride 0."""
+    gen = torch.Generator().manual_seed(group)
+    tile, count = attention_ref.CANONICAL_KV_TILE, 300
+    q = torch.randn(count, group, head_dim, generator=gen)
+    p = torch.rand(count, group, tile, generator=gen)
+    keys = torch.randn(count, tile, head_dim, generator=gen)
+    for a, b in ((q, keys.transpose(1, 2)), (p, keys)):
+        alone = torch.cat([torch.bmm(a[i : i + 1], b[i : i + 1]) for i in range(count)])
+        for n in (2, 3, 5, 16, 31, 64, 127, count):
+            assert torch.equal(torch.bmm(a[:n], b[:n]), alone[:n]), f"{n} matrices"
+        perm = torch.randperm(count, generator=gen)
+        assert torch.equal(torch.bmm(a[perm], b[perm]), alone[perm])
+        shared = torch.cat([torch.bmm(a[i : i + 1], b[:1]) for i in range(count)])
+        for n in (1, 2, 7, count):
+            assert torch.equal(torch.bmm(a[:n], b[0].expand(n, *b.shape[1:])), shared[:n]), f"{n} at stride 0"
 
 
 @pytest.mark.parametrize("shapes", [[(SPLIT + 60, 1), (300, 1), (40, 1), (SPLIT + 9, 1)], mixed_shapes(True)])

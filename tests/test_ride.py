@@ -23,7 +23,7 @@ from sid.engine.plan import PassSizes, ScheduledChunk
 from sid.engine.selftest import DeterminismSelfTestError, synthetic_request
 from sid.repro import Repro, summarize
 from sid.runtime.faults import FAULTS
-from sid.runtime.gemm import GemmPath, prove, prove_plan
+from sid.runtime.gemm import GemmPath, candidates, prove, prove_plan, run
 from tests.test_determinism import CROWD, PROMPT, crowd_params, det, fresh_process_output
 
 BF16 = dict(dtype="bfloat16")
@@ -179,10 +179,15 @@ def test_gemm_proof_tells_invariant_paths_from_others() -> None:
     sizes = PassSizes.grid(1, 512, 8, cover=True).sizes
     broken = prove(GemmPath("cpu"), weight, None, sizes)  # float32 changes a row's bits from 4 rows on
     assert broken is not None and "changes bits" in broken
+    broken = prove(GemmPath("cpu", max_rows=32), weight, None, sizes)  # so at most 32 rows a call is no cure
+    assert broken is not None and "changes bits" in broken
     assert prove(GemmPath("cpu", 16), weight, None, sizes) is None
-    plan, failures = prove_plan([(weight, None), (weight, None)], (GemmPath("cpu"), GemmPath("cpu", 16)), list(sizes))
-    assert plan == {(256, 384, False): GemmPath("cpu", 16)} and list(failures) == ["256x384 cpu"]
+    plan, failures = prove_plan([(weight, None), (weight, None)], candidates(torch.device("cpu"), 16), list(sizes))
+    assert plan == {(256, 384, False): GemmPath("cpu", 16)} and list(failures) == ["256x384 cpu", "256x384 cpu:max32"]
     assert prove_plan([(weight, None)], (GemmPath("cpu"),), list(sizes))[0] is None
+    x = torch.randn(70, 384, generator=gen)  # the bounded path: calls of 32, 32 and 6 rows, none padded
+    want = torch.cat([torch.nn.functional.linear(part, weight) for part in x.split(32)])
+    assert torch.equal(run(GemmPath("cpu", max_rows=32), x, weight), want)
 
 
 def test_riding_rows_that_see_their_company_make_the_self_test_refuse(

@@ -12,18 +12,27 @@ Layout shared by every backend and kernel:
 
 These functions are the numerical ground truth for the Triton kernels and the CPU
 attention backend. ``paged_attention_canonical_ref`` is the canonical schedule of the
-numerics contract (DESIGN 3.1): keys in tiles aligned to absolute positions, combined by
-online softmax in a fixed order, so a row's output depends only on its own position and
-keys, never on the other rows or on how many tiles the batch needed.
+numerics contract (DESIGN 3.1): keys in tiles aligned to absolute positions, combined in a
+fixed order, so a row's output depends only on its own position and keys, never on the
+other rows or on how many tiles the batch needed.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
 
 CANONICAL_KV_TILE = 64
 """Keys per tile of the canonical schedule; part of the numerics fingerprint."""
+CANONICAL_SHARED_ROWS = 8
+"""From this many query rows of one sequence on, the canonical reference reads the sequence's
+keys once for all of them instead of once per row: a speed choice that changes no bits."""
+CANONICAL_CHUNK = 1 << 22
+"""Elements of the canonical reference's largest temporary (gathered keys, or scores) above
+which it takes its rows in groups: a bound on memory that changes no bits."""
 
 
 def store_kv_ref(
@@ -128,46 +137,217 @@ def paged_attention_canonical_ref(
     query_start_loc: torch.Tensor,
     scale: float,
     tile: int = CANONICAL_KV_TILE,
+    plan: CanonicalPlan | None = None,
 ) -> torch.Tensor:
     """Canonical-schedule reference: fixed tiles at absolute positions, fixed combine order.
 
-    Rows advance through tile ``t = 0, 1, ...``; a row whose position is before a tile skips
-    it, which is what a pass over it would compute bit for bit (its scores would all be -inf,
-    leaving the running max, sum and accumulator unchanged). Every op acts on each row with
-    shapes of its own (its keys are gathered per row, its GEMMs are ``group x head_dim`` by
-    ``head_dim x tile``), so a row cannot see the other rows, nor how many there are.
+    A row at position ``p`` attends to tiles ``0 .. p // tile``; for each (row, tile, KV
+    head) its scores are one ``group x head_dim`` by ``head_dim x tile`` GEMM and its
+    weighted values one ``group x tile`` by ``tile x head_dim`` GEMM, each a matrix of a
+    batched matmul, whose bits depend on neither the batch count nor the batch strides
+    (``tests/test_kernels.py`` checks it). The softmax subtracts the row's maximum over all
+    its keys (exact in any order), and the tiles' weighted values and weight sums are folded
+    in a binary tree over absolute tile indices, where tiles past the row's last are exact
+    zeros. So a row's output depends only on its position and keys: not on the other rows,
+    how many there are, how a prompt was chunked, nor which of the two ways of
+    ``canonical_plan`` computed it. ``plan`` is that index work for these rows, if already done.
     """
+    if plan is None:
+        plan = canonical_plan(q.shape[1], k_cache, block_tables, seq_lens, query_start_loc, tile)
     n, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    seq_idx, pos = query_positions(seq_lens, query_start_loc)
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    qf = (q.float() * scale).view(n, num_kv_heads, group, head_dim)
-    m = torch.full((n, num_kv_heads, group), float("-inf"), device=q.device)
-    denom = torch.zeros((n, num_kv_heads, group), device=q.device)
-    acc = torch.zeros((n, num_kv_heads, group, head_dim), device=q.device)
-    num_tiles = (int(pos.max()) // tile + 1) if n else 0
-    offsets = torch.arange(tile, device=q.device)
-    for t in range(num_tiles):
-        rows = (pos >= t * tile).nonzero()[:, 0]  # the rows that reach this tile (prefill: a triangle)
-        r_pos = pos[rows]
-        kp = (t * tile + offsets)[None, :].expand(len(rows), tile)
+    num_kv_heads = k_cache.shape[2]
+    qf = (q.float() * scale).view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = torch.empty_like(qf)
+    for part in plan.parts:
+        out[part.rows] = part.attend(qf[part.rows], k_cache, v_cache)
+    return out.view(n, num_heads, head_dim).to(q.dtype)
+
+
+@dataclass
+class _Pairs:
+    """Rows that each gather their own keys: all their (row, tile) pairs at once, in one
+    batched matmul per GEMM, with no op per row or tile."""
+
+    rows: slice | torch.Tensor
+    """This part's rows of the batch."""
+    row: torch.Tensor
+    """Per pair: its row, within this part."""
+    cell: torch.Tensor
+    """Per pair: its place in a ``[width, rows]`` grid of tiles."""
+    past: torch.Tensor
+    """Per pair ``[pairs, 1, 1, tile]``: keys past the row's position."""
+    index: torch.Tensor
+    """The cache rows (of ``[slots * kv_heads, head_dim]``) of every pair's keys and values."""
+    width: int
+    """Leaves of the combine tree."""
+
+    @classmethod
+    def plan(
+        cls,
+        rows: slice | torch.Tensor,
+        k_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_idx: torch.Tensor,
+        pos: torch.Tensor,
+        tiles: torch.Tensor,
+        tile: int,
+    ) -> _Pairs:
+        n, num_pairs = len(pos), int(tiles.sum())
+        row = torch.repeat_interleave(torch.arange(n, device=pos.device), tiles, output_size=num_pairs)
+        pair_tile = torch.arange(num_pairs, device=pos.device) - (tiles.cumsum(0) - tiles)[row]
+        key_pos = pair_tile[:, None] * tile + torch.arange(tile, device=pos.device)  # [pairs, tile]
+        row_pos = pos[row][:, None]
         # Keys past a row's position are masked anyway; gather the row's own last key in their
         # place, so unwritten slots and unused block-table entries are never read.
-        read_pos = torch.minimum(kp, r_pos[:, None])
-        slots = _slots(block_tables, seq_idx[rows][:, None].expand(len(rows), tile), read_pos, block_size)
-        k = flat_k[slots].float()  # [rows, tile, kvh, d]
-        v = flat_v[slots].float()
-        scores = torch.einsum("nkgd,ntkd->nkgt", qf[rows], k)
-        scores = scores.masked_fill(~(kp <= r_pos[:, None])[:, None, None, :], float("-inf"))
-        m_old = m[rows]
-        m_new = torch.maximum(m_old, scores.amax(dim=-1))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(scores - m_safe[..., None])
-        alpha = torch.exp(m_old - m_safe)
-        denom[rows] = denom[rows] * alpha + p.sum(dim=-1)
-        acc[rows] = acc[rows] * alpha[..., None] + torch.einsum("nkgt,ntkd->nkgd", p, v)
-        m[rows] = m_new
-    out = acc / denom[..., None]
-    return out.view(n, num_heads, head_dim).to(q.dtype)
+        slots = _slots(block_tables, seq_idx[row][:, None], torch.minimum(key_pos, row_pos), k_cache.shape[1])
+        width = _tree_width(int(tiles.max()))
+        return cls(rows, row, pair_tile * n + row, (key_pos > row_pos)[:, None, None, :], _gather_index(k_cache, slots), width)
+
+    def attend(self, qf: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Scaled queries ``[rows, kv_heads, group, head_dim]`` -> float32 outputs of that shape."""
+        n, num_kv_heads, group, head_dim = qf.shape
+        num_pairs, tile = self.past.shape[0], self.past.shape[-1]
+        k, v = _gather(k_cache, self.index, tile), _gather(v_cache, self.index, tile)
+        scores = torch.bmm(qf.index_select(0, self.row).view(-1, group, head_dim), k.transpose(1, 2))
+        scores = scores.view(num_pairs, num_kv_heads, group, tile).masked_fill_(self.past, float("-inf"))
+        maxima = torch.full((self.width * n, num_kv_heads, group), float("-inf"), device=qf.device)
+        maxima.index_copy_(0, self.cell, scores.amax(dim=-1))
+        m = maxima.view(self.width, n, num_kv_heads, group).amax(dim=0)  # every pair's tile has a valid key
+        p = torch.exp(scores - m.index_select(0, self.row)[..., None])
+        weighted = torch.bmm(p.view(-1, group, tile), v).view(num_pairs, num_kv_heads, group, head_dim)
+        grid = torch.zeros((self.width * n, num_kv_heads, group, head_dim + 1), device=qf.device)
+        grid.index_copy_(0, self.cell, torch.cat([weighted, p.sum(dim=-1, keepdim=True)], dim=-1))
+        return _combine(grid.view(self.width, n, num_kv_heads, group, head_dim + 1))
+
+
+@dataclass
+class _Shared:
+    """Rows of one sequence (consecutive positions from ``first``) that read one copy of its
+    keys: per (tile, KV head), one batched matmul over the rows that reach the tile, the
+    tile's keys broadcast to every row (batch stride 0)."""
+
+    rows: slice
+    first: int
+    past: torch.Tensor
+    """``[tiles, 1, rows, 1, tile]``: keys past each row's position."""
+    index: torch.Tensor
+    """The cache rows of the sequence's keys and values, as in ``_Pairs``."""
+
+    @classmethod
+    def plan(cls, rows: slice, k_cache: torch.Tensor, block_table: torch.Tensor, first: int, tile: int) -> _Shared:
+        n = rows.stop - rows.start
+        tiles = (first + n - 1) // tile + 1
+        key_pos = torch.arange(tiles * tile, device=block_table.device)
+        # Keys past the last row are masked for every row; read the last row's key in their place.
+        slots = _slots(block_table[None, :], torch.zeros_like(key_pos), key_pos.clamp(max=first + n - 1), k_cache.shape[1])
+        pos = first + torch.arange(n, device=block_table.device)
+        past = key_pos.view(tiles, 1, 1, 1, tile) > pos.view(1, 1, n, 1, 1)
+        return cls(rows, first, past, _gather_index(k_cache, slots.view(tiles, tile)))
+
+    def attend(self, qf: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """As ``_Pairs.attend``."""
+        n, num_kv_heads, group, head_dim = qf.shape
+        tiles, tile = self.past.shape[0], self.past.shape[-1]
+        k = _gather(k_cache, self.index, tile).view(tiles, num_kv_heads, tile, head_dim)
+        v = _gather(v_cache, self.index, tile).view(tiles, num_kv_heads, tile, head_dim)
+        reach = [max(0, t * tile - self.first) for t in range(tiles)]  # the first row that reaches each tile
+        scores = torch.empty((tiles, num_kv_heads, n, group, tile), device=qf.device)
+        for t, r in enumerate(reach):
+            for h in range(num_kv_heads):
+                torch.bmm(qf[r:, h], k[t, h].t().expand(n - r, head_dim, tile), out=scores[t, h, r:])
+        scores.masked_fill_(self.past, float("-inf"))  # also what no GEMM wrote: tiles past a row's position
+        p = torch.exp(scores - scores.amax(dim=(0, 4))[None, ..., None])
+        weighted = torch.zeros((tiles, num_kv_heads, n, group, head_dim), device=qf.device)
+        for t, r in enumerate(reach):
+            for h in range(num_kv_heads):
+                torch.bmm(p[t, h, r:], v[t, h].expand(n - r, tile, head_dim), out=weighted[t, h, r:])
+        return _combine(torch.cat([weighted, p.sum(dim=-1, keepdim=True)], dim=-1)).transpose(0, 1)
+
+
+@dataclass
+class CanonicalPlan:
+    """The canonical reference's index work for a batch of rows (``canonical_plan``). It
+    depends on the batch's metadata alone, so every layer of a step can share it."""
+
+    parts: list[_Pairs | _Shared]
+
+
+def canonical_plan(
+    num_heads: int,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tile: int = CANONICAL_KV_TILE,
+) -> CanonicalPlan:
+    """How ``paged_attention_canonical_ref`` takes the rows of a batch (of ``num_heads`` query
+    heads; of the cache only the shape is read).
+
+    The rows of a sequence with at least ``CANONICAL_SHARED_ROWS`` of them share one copy of
+    its keys, in groups whose scores fit ``CANONICAL_CHUNK``; the other rows gather their own,
+    in groups whose keys fit it. Either way a row gets the same bits.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    seq_idx, pos = query_positions(seq_lens, query_start_loc)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    n = starts[-1]
+    parts: list[_Pairs | _Shared] = []
+    own: slice | torch.Tensor = slice(0, n)
+    for s, (a, b) in enumerate(pairwise(starts)):
+        if b - a < CANONICAL_SHARED_ROWS:
+            continue
+        step = max(1, CANONICAL_CHUNK // ((lens[s] - 1) // tile + 1) // (tile * num_heads))  # rows per group
+        for start in range(a, b, step):
+            rows = slice(start, min(start + step, b))
+            parts.append(_Shared.plan(rows, k_cache, block_tables[s], lens[s] - b + start, tile))
+        if isinstance(own, slice):
+            own = torch.ones(n, dtype=torch.bool, device=pos.device)
+        own[a:b] = False
+    if isinstance(own, torch.Tensor):
+        own = own.nonzero()[:, 0]
+        seq_idx, pos = seq_idx[own], pos[own]
+    if len(pos):
+        tiles = pos // tile + 1
+        ends = tiles.cumsum(0)
+        limit = max(1, CANONICAL_CHUNK // (tile * num_kv_heads * head_dim))  # (row, tile) pairs per group
+        bounds = [0, len(pos)]
+        if int(ends[-1]) > limit:
+            cuts = torch.searchsorted(ends, torch.arange(limit, int(ends[-1]), limit, device=pos.device), right=True)
+            bounds = sorted({*bounds, *cuts.tolist()})
+        for a, b in pairwise(bounds):
+            rows = slice(a, b) if isinstance(own, slice) else own[a:b]
+            parts.append(_Pairs.plan(rows, k_cache, block_tables, seq_idx[a:b], pos[a:b], tiles[a:b], tile))
+    return CanonicalPlan(parts)
+
+
+def _gather_index(k_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The rows of the cache viewed as ``[slots * kv_heads, head_dim]`` that ``_gather`` reads
+    for ``slots`` (``[tiles, tile]``), ordered (tile, KV head, key)."""
+    num_kv_heads = k_cache.shape[2]
+    heads = torch.arange(num_kv_heads, device=slots.device)
+    return (slots[:, None, :] * num_kv_heads + heads[None, :, None]).view(-1)
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor, tile: int) -> torch.Tensor:
+    """Keys or values at ``index`` in float32, ``[tiles * kv_heads, tile, head_dim]``: each
+    (tile, KV head) one contiguous matrix, the layout every canonical GEMM reads."""
+    head_dim = cache.shape[-1]
+    return cache.view(-1, head_dim).index_select(0, index).float().view(-1, tile, head_dim)
+
+
+def _tree_width(tiles: int) -> int:
+    """Leaves of the combine tree: ``tiles`` rounded up to a power of two."""
+    return 1 << (tiles - 1).bit_length()
+
+
+def _combine(grid: torch.Tensor) -> torch.Tensor:
+    """The output from per-tile [weighted values | weight sum] (``grid``, tiles on dim 0): a
+    binary tree over absolute tile indices, its leaves padded to a power of two. Tiles past a
+    row's last are zeros, and adding zeros leaves every node's bits alone, so the tree's width
+    does not matter."""
+    width = _tree_width(grid.shape[0])
+    if width > grid.shape[0]:
+        grid = torch.cat([grid, grid.new_zeros((width - grid.shape[0], *grid.shape[1:]))])
+    while grid.shape[0] > 1:
+        grid = grid[0::2] + grid[1::2]
+    return grid[0, ..., :-1] / grid[0, ..., -1:]

@@ -9,12 +9,14 @@ deterministic request's rows, attending canonically, beside normal rows (DESIGN 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from sid.kernels.attention_ref import (
     CANONICAL_KV_TILE,
+    CanonicalPlan,
+    canonical_plan,
     paged_attention_canonical_ref,
     paged_attention_ref,
     store_kv_ref,
@@ -38,6 +40,9 @@ class AttentionMetadata:
     an int32 ``[S]`` tensor, 1 = canonical (then ``schedules`` says which occur)."""
     schedules: tuple[bool, bool] = (True, True)
     """(any fast sequence, any canonical one), when ``canonical`` is a tensor."""
+    memo: dict[str, object] = field(default_factory=dict, repr=False)
+    """Work that depends on this metadata alone, done by a backend in the first layer and
+    reused by the others (the torch backend's split of the rows by schedule)."""
 
     @property
     def any_canonical(self) -> bool:
@@ -75,33 +80,59 @@ class TorchAttentionBackend(AttentionBackend):
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        args = (meta.block_tables, meta.seq_lens, meta.query_start_loc)
-        if isinstance(meta.canonical, bool):
-            fn = paged_attention_canonical_ref if meta.canonical else paged_attention_ref
-            return fn(q, k_cache, v_cache, *args, scale)
+        parts = meta.memo.get(self.name)
+        if parts is None:
+            parts = meta.memo[self.name] = _schedule_parts(q, k_cache, meta)
+        assert isinstance(parts, list)
+        if len(parts) == 1 and parts[0].rows is None:
+            return parts[0].attend(q, k_cache, v_cache, scale)
         out = torch.empty_like(q)
-        flags = meta.canonical.tolist()
-        for canonical, fn in ((0, paged_attention_ref), (1, paged_attention_canonical_ref)):
-            seqs = [s for s, flag in enumerate(flags) if flag == canonical]
-            if seqs:
-                rows, sub = _sequences(seqs, *args)
-                out[rows] = fn(q[rows], k_cache, v_cache, *sub, scale)
+        for part in parts:
+            out[part.rows] = part.attend(q[part.rows], k_cache, v_cache, scale)
         return out
 
     def canonical_config(self) -> dict[str, object]:
         return {"backend": self.name, "kv_tile": CANONICAL_KV_TILE}
 
 
-def _sequences(
-    seqs: list[int], block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The query rows of sequences ``seqs`` and the metadata of a batch of those alone."""
-    starts = query_start_loc.tolist()
-    rows = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in seqs]).to(query_start_loc.device)
-    index = torch.tensor(seqs, device=seq_lens.device)
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1])[index]
-    qsl = torch.cat([q_lens.new_zeros(1), q_lens.cumsum(0)]).to(query_start_loc.dtype)
-    return rows, (block_tables[index], seq_lens[index], qsl)
+@dataclass
+class _SchedulePart:
+    """The rows of a step that attend with one schedule, and the metadata of a batch of
+    their sequences alone."""
+
+    rows: torch.Tensor | None
+    """Their rows of the step; None: all of them."""
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    plan: CanonicalPlan | None
+    """The canonical reference's index work for them; None: the fast schedule."""
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        args = (q, k_cache, v_cache, self.block_tables, self.seq_lens, self.query_start_loc, scale)
+        return paged_attention_ref(*args) if self.plan is None else paged_attention_canonical_ref(*args, plan=self.plan)
+
+
+def _schedule_parts(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> list[_SchedulePart]:
+    """A step's rows split by schedule (``meta.canonical``), each with its metadata and, for
+    the canonical one, its plan: the same for every layer."""
+    args = (meta.block_tables, meta.seq_lens, meta.query_start_loc)
+    heads = q.shape[1]
+    if isinstance(meta.canonical, bool):
+        return [_SchedulePart(None, *args, canonical_plan(heads, k_cache, *args) if meta.canonical else None)]
+    q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    row_flags = torch.repeat_interleave(meta.canonical, q_lens, output_size=q.shape[0])
+    parts = []
+    for flag in (0, 1):
+        seqs = (meta.canonical == flag).nonzero()[:, 0] if meta.schedules[flag] else None
+        if seqs is None or not len(seqs):
+            continue
+        lens = q_lens[seqs]
+        qsl = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(meta.query_start_loc.dtype)
+        sub = (meta.block_tables[seqs], meta.seq_lens[seqs], qsl)
+        rows = (row_flags == flag).nonzero()[:, 0]
+        parts.append(_SchedulePart(rows, *sub, canonical_plan(heads, k_cache, *sub) if flag else None))
+    return parts
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:

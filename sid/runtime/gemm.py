@@ -17,6 +17,10 @@ per shape, at every pass size it will use (``prove``), and the fingerprint recor
   the fast lane's cuBLASLt picks the kernels it picked without Sid.
 * ``cpu``: torch's CPU GEMM. Float32 changes a row's bits from 4 rows on; bf16 kept them for
   most shapes but not all (the trained test model's down projection changes at 33-333 rows).
+* ``cpu:max32``: the rows in GEMMs of at most ``max_rows`` rows each, none padded, where the
+  library keeps a row's bits at every row count up to that (the trained test model's down
+  projection, 1-32 rows). A decode pass of up to 32 rows runs the fast path's one GEMM, and a
+  larger pass takes half the calls of the tiled path, none of them padded.
 * ``tiled``: the rows in GEMMs of exactly ``tile`` rows each, the last one padded. At a fixed
   row count a row's bits depend neither on its slot nor on its neighbours (DESIGN 1), so the
   rows keep their bits at every pass size; the price is padding small passes to ``tile``.
@@ -50,6 +54,8 @@ for _name, _value in (("CUBLAS_WORKSPACE_CONFIG", ":0:0"), ("TORCH_CUBLASLT_UNIF
 
 CPU_TILE = 16
 """Rows per GEMM call of the CPU's tiled path: small passes pad to it, large ones loop over it."""
+CPU_MAX_ROWS = 32
+"""Rows per GEMM call at most of the CPU's bounded path (``cpu:max32``), tried before the tiled one."""
 
 Shape = tuple[int, int, bool]
 """A GEMM as the model runs it: (out features, in features, has a bias)."""
@@ -61,20 +67,24 @@ class GemmPath:
     """``cublaslt``, ``cublas`` or ``cpu``."""
     tile: int = 0
     """Rows per GEMM call, the last call padded; 0 = all rows in one call."""
+    max_rows: int = 0
+    """Rows per GEMM call at most, none padded (with ``tile`` 0); 0 = all rows in one call."""
 
     def __str__(self) -> str:
-        return f"{self.library}:tile{self.tile}" if self.tile else self.library
+        if self.tile:
+            return f"{self.library}:tile{self.tile}"
+        return f"{self.library}:max{self.max_rows}" if self.max_rows else self.library
 
 
 def fast_path(device: torch.device) -> GemmPath:
     return GemmPath("cublaslt" if device.type == "cuda" else "cpu", FAULTS.fast_gemm_tile)
 
 
-def candidates(device: torch.device, tile: int) -> tuple[GemmPath, ...]:
+def candidates(device: torch.device, tile: int, max_rows: int = CPU_MAX_ROWS) -> tuple[GemmPath, ...]:
     """Paths to try for a row-invariant GEMM, in order of preference (the fast one first)."""
     if device.type == "cuda":
         return GemmPath("cublaslt"), GemmPath("cublas")
-    return GemmPath("cpu"), GemmPath("cpu", tile)
+    return GemmPath("cpu"), GemmPath("cpu", max_rows=max_rows), GemmPath("cpu", tile)
 
 
 _library: list[str | None] = [None]
@@ -86,9 +96,11 @@ def run(path: GemmPath, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if path.library != "cpu" and _library[0] != path.library:
         torch.backends.cuda.preferred_blas_library(path.library)
         _library[0] = path.library
+    rows = x.shape[0]
+    if path.max_rows and rows > path.max_rows:
+        return torch.cat([F.linear(part, weight, bias) for part in x.split(path.max_rows)])
     if not path.tile:
         return F.linear(x, weight, bias)
-    rows = x.shape[0]
     padded = F.pad(x, (0, 0, 0, -rows % path.tile)) if rows % path.tile else x
     return torch.cat([F.linear(part, weight, bias) for part in padded.split(path.tile)])[:rows]
 
@@ -170,13 +182,17 @@ def prove(path: GemmPath, weight: torch.Tensor, bias: torch.Tensor | None, sizes
     """None if ``path`` gives every row the same bits at every size of ``sizes`` and in
     shuffled slots; otherwise what broke. Each size is compared with the next one on their
     common rows (so all agree), smallest first, so a path that fails is told quickly. A tiled
-    path runs every GEMM at one row count, so a few sizes around its tile stand for all."""
+    path runs every GEMM at one row count, so a few sizes around its tile stand for all; a
+    bounded one at every count up to its bound, so those and a few above it stand for all."""
     if FAULTS.no_invariant_gemms:
         return "no path is invariant (fault injected)"
     sizes = sorted(set(sizes))
     if path.tile:
         tile = path.tile
         sizes = sorted({m for m in (1, tile - 1, tile, tile + 1, 2 * tile + 3, 4 * tile) if 1 <= m <= sizes[-1]})
+    elif path.max_rows:
+        most = path.max_rows
+        sizes = sorted({m for m in (*range(1, most + 2), 2 * most + 3, 4 * most) if m <= sizes[-1]})
     rows = sizes[-1]
     gen = torch.Generator(device=weight.device).manual_seed(rows)
     x = torch.randn(rows, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
