@@ -51,11 +51,16 @@ def store_kv_ref(
 
 def query_positions(seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query row: (sequence index, absolute position)."""
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    seq_idx = torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), q_lens)
-    row = torch.arange(int(query_start_loc[-1]), device=q_lens.device)
-    pos = seq_lens[seq_idx] - q_lens[seq_idx] + (row - query_start_loc[seq_idx])
-    return seq_idx, pos
+    row = torch.arange(int(query_start_loc[-1]), dtype=query_start_loc.dtype, device=query_start_loc.device)
+    seq_idx = segment_of(query_start_loc[1:], row)
+    return seq_idx, seq_lens[seq_idx] - (query_start_loc[seq_idx + 1] - row)
+
+
+def segment_of(ends: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """For each of ``index``, the segment it falls in, where segment ``s`` ends before
+    ``ends[s]`` (ascending, empty segments allowed). ``torch.repeat_interleave`` gives the same,
+    but in a parallel region however few the elements, which a CPU pays for at every call."""
+    return torch.searchsorted(ends, index, right=True)
 
 
 def _slots(block_tables: torch.Tensor, seq_idx: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -192,9 +197,11 @@ class _Pairs:
         tiles: torch.Tensor,
         tile: int,
     ) -> _Pairs:
-        n, num_pairs = len(pos), int(tiles.sum())
-        row = torch.repeat_interleave(torch.arange(n, device=pos.device), tiles, output_size=num_pairs)
-        pair_tile = torch.arange(num_pairs, device=pos.device) - (tiles.cumsum(0) - tiles)[row]
+        ends = tiles.cumsum(0)
+        n, num_pairs = len(pos), int(ends[-1])
+        pairs = torch.arange(num_pairs, device=pos.device)
+        row = segment_of(ends, pairs)
+        pair_tile = pairs - (ends - tiles)[row]
         key_pos = pair_tile[:, None] * tile + torch.arange(tile, device=pos.device)  # [pairs, tile]
         row_pos = pos[row][:, None]
         # Keys past a row's position are masked anyway; gather the row's own last key in their

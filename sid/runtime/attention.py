@@ -19,6 +19,7 @@ from sid.kernels.attention_ref import (
     canonical_plan,
     paged_attention_canonical_ref,
     paged_attention_ref,
+    segment_of,
     store_kv_ref,
 )
 from sid.model.decoder import CausalLM
@@ -120,16 +121,16 @@ def _schedule_parts(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetad
     heads = q.shape[1]
     if isinstance(meta.canonical, bool):
         return [_SchedulePart(None, *args, canonical_plan(heads, k_cache, *args) if meta.canonical else None)]
-    q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-    row_flags = torch.repeat_interleave(meta.canonical, q_lens, output_size=q.shape[0])
+    qsl = meta.query_start_loc
+    q_lens = qsl[1:] - qsl[:-1]
+    row_flags = meta.canonical[segment_of(qsl[1:], torch.arange(q.shape[0], dtype=qsl.dtype, device=qsl.device))]
     parts = []
     for flag in (0, 1):
         seqs = (meta.canonical == flag).nonzero()[:, 0] if meta.schedules[flag] else None
         if seqs is None or not len(seqs):
             continue
         lens = q_lens[seqs]
-        qsl = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(meta.query_start_loc.dtype)
-        sub = (meta.block_tables[seqs], meta.seq_lens[seqs], qsl)
+        sub = (meta.block_tables[seqs], meta.seq_lens[seqs], torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(qsl.dtype))
         rows = (row_flags == flag).nonzero()[:, 0]
         parts.append(_SchedulePart(rows, *sub, canonical_plan(heads, k_cache, *sub) if flag else None))
     return parts
