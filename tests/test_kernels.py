@@ -26,6 +26,8 @@ from sid.kernels.kv_store import store_kv
 from sid.runtime.attention import AttentionMetadata, TorchAttentionBackend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+CPU = torch.device("cpu")
+"""Where the CPU backend's own tests run: its canonical schedule rests on the CPU's batched matmuls."""
 BLOCK_SIZE = 16
 JUNK_BLOCK = 1 << 30
 """Block-table entry past a sequence's blocks: any read of it faults or fails the test."""
@@ -44,11 +46,14 @@ def canonical_split(monkeypatch: pytest.MonkeyPatch) -> None:
 class Pool:
     """A NaN-poisoned paged KV pool; contexts get shuffled, non-contiguous blocks, with holes."""
 
-    def __init__(self, num_blocks: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int) -> None:
+    def __init__(
+        self, num_blocks: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int, device: torch.device = DEVICE
+    ) -> None:
         self.gen = torch.Generator().manual_seed(seed)
+        self.device = device
         shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
-        self.k = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
-        self.v = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+        self.k = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        self.v = torch.full(shape, float("nan"), dtype=dtype, device=device)
         self.free = torch.randperm(num_blocks, generator=self.gen).tolist()
 
     def random_kv(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +69,7 @@ class Pool:
             blocks.append(self.free.pop())
         pos = torch.arange(len(keys))
         slots = torch.tensor(blocks)[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-        store_kv_ref(keys.to(DEVICE), values.to(DEVICE), self.k, self.v, slots.to(DEVICE))
+        store_kv_ref(keys.to(self.device), values.to(self.device), self.k, self.v, slots.to(self.device))
         return blocks
 
 
@@ -79,7 +84,7 @@ class Batch:
         return self.q, pool.k, pool.v, self.block_tables, self.seq_lens, self.query_start_loc
 
 
-def make_batch(seqs: list[tuple[list[int], int, torch.Tensor]]) -> Batch:
+def make_batch(seqs: list[tuple[list[int], int, torch.Tensor]], device: torch.device = DEVICE) -> Batch:
     """``seqs``: (block ids, context length, query rows). Unused table entries: -1 or junk."""
     width = max(len(blocks) for blocks, _, _ in seqs) + 2
     table = torch.full((len(seqs), width), -1, dtype=torch.int32)
@@ -89,10 +94,10 @@ def make_batch(seqs: list[tuple[list[int], int, torch.Tensor]]) -> Batch:
             table[s, len(blocks) :] = JUNK_BLOCK
     q_lens = torch.tensor([len(q) for _, _, q in seqs])
     return Batch(
-        q=torch.cat([q for _, _, q in seqs]).to(DEVICE),
-        block_tables=table.to(DEVICE),
-        seq_lens=torch.tensor([ctx for _, ctx, _ in seqs], dtype=torch.int32, device=DEVICE),
-        query_start_loc=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(torch.int32).to(DEVICE),
+        q=torch.cat([q for _, _, q in seqs]).to(device),
+        block_tables=table.to(device),
+        seq_lens=torch.tensor([ctx for _, ctx, _ in seqs], dtype=torch.int32, device=device),
+        query_start_loc=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(torch.int32).to(device),
     )
 
 
@@ -102,7 +107,7 @@ def mixed_batch(pool: Pool, heads: int, shapes: list[tuple[int, int]]) -> Batch:
     for ctx, q_len in shapes:
         blocks = pool.add(*pool.random_kv(ctx))
         seqs.append((blocks, ctx, torch.randn(q_len, heads, pool.k.shape[3], generator=pool.gen)))
-    return make_batch(seqs)
+    return make_batch(seqs, pool.device)
 
 
 def mixed_shapes(canonical: bool) -> list[tuple[int, int]]:
@@ -257,8 +262,8 @@ def test_canonical_rows_are_bit_identical_in_any_batch(dtype: torch.dtype, impl:
         batch = make_batch(seqs)
         if impl == "triton":
             out = attention.paged_attention(*batch.args(pool), scale, canonical=True)
-        else:
-            out = paged_attention_canonical_ref(*batch.args(pool), scale)
+        else:  # the CPU backend's schedule: its batched matmuls keep their bits on the CPU only
+            out = paged_attention_canonical_ref(*(t.cpu() for t in batch.args(pool)), scale)
         starts = batch.query_start_loc.tolist()
         for s, first in targets:
             for i in range(starts[s], starts[s + 1]):
@@ -281,7 +286,7 @@ def test_canonical_reference_rows_keep_their_bits_alone_among_others_and_chunked
     sequences (decodes and chunks), whether its rows read their own keys or share their
     sequence's (``CANONICAL_SHARED_ROWS``), and however the rows are grouped (``CANONICAL_CHUNK``)."""
     ctx, scale = 300, 0.125
-    pool = Pool(160, kv_heads, head_dim, dtype, seed=31 + heads)
+    pool = Pool(160, kv_heads, head_dim, dtype, seed=31 + heads, device=CPU)
     blocks = pool.add(*pool.random_kv(ctx))
     q_all = torch.randn(ctx, heads, head_dim, generator=pool.gen).to(dtype)
     others = []
@@ -293,7 +298,7 @@ def test_canonical_reference_rows_keep_their_bits_alone_among_others_and_chunked
         """Positions ``first .. last`` of the prompt, as one chunk placed among ``company`` others."""
         seqs = others[:company]
         seqs.insert(company // 2, (blocks, last + 1, q_all[first : last + 1]))
-        batch = make_batch(seqs)
+        batch = make_batch(seqs, CPU)
         start = int(batch.query_start_loc[company // 2])
         return paged_attention_canonical_ref(*batch.args(pool), scale)[start : start + last + 1 - first]
 
@@ -311,7 +316,7 @@ def test_torch_backend_gives_each_sequence_its_schedule_and_every_layer_the_same
     """The CPU backend with per-sequence flags: canonical sequences get the bits of an
     all-canonical batch, fast ones agree with the fast reference; the split it makes in the
     first layer (``meta.memo``) serves the next layers, whatever their K/V."""
-    pool = Pool(260, 2, 64, torch.bfloat16, seed=41)
+    pool = Pool(260, 2, 64, torch.bfloat16, seed=41, device=CPU)
     shapes = [(300, 1), (37, 37), (130, 5), (1, 1), (200, 12), (90, 1)]
     batch = mixed_batch(pool, 4, shapes)
     batch.q = batch.q.to(torch.bfloat16)
