@@ -388,8 +388,9 @@ def test_sequences_take_their_own_schedule_in_one_batch(shapes: list[tuple[int, 
 
 
 def test_canonical_bits_do_not_depend_on_how_splits_are_spread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A program folds one split (a thin batch: the combine kernel folds the rest) or every split
-    of its rows (a full batch): the same left fold of the same split states either way."""
+    """A program folds one split (a thin batch: the combine kernel folds the rest, its head
+    dimensions spread over several programs or not) or every split of its rows (a full batch):
+    the same left fold of the same split states either way."""
     pool = Pool(600, 2, 64, torch.float32, seed=23)
     batch = mixed_batch(pool, 4, [(3 * SPLIT + 70, 1), (2 * SPLIT + 5, 9), (SPLIT - 3, 1)])
     outs = []
@@ -400,4 +401,8 @@ def test_canonical_bits_do_not_depend_on_how_splits_are_spread(monkeypatch: pyte
     (spread, a), (folded, b) = outs
     assert spread == 1 and folded == 4
     assert torch.equal(a, b)
+    monkeypatch.setattr(attention, "_target_programs", lambda device: 1 << 20)
+    for dims in (16, 64):  # a head's 64 dimensions folded by 4 programs, or by one
+        monkeypatch.setattr(attention, "_COMBINE_DIMS", dims)
+        assert torch.equal(attention.paged_attention(*batch.args(pool), 0.125, canonical=True), a), f"{dims} dims"
     _close(a, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)

@@ -82,9 +82,11 @@ folds is chosen from the batch, so a full batch pays no partials for it.
 
 _COMBINE_NUM_WARPS = 4
 _COMBINE_PREFETCH = 8
-_COMBINE_DIMS = 32
-"""Head dimensions one combine program folds: a head's partials spread over several programs."""
 """Splits whose partials the combine kernel loads at once (an unrolled step of its fold)."""
+_COMBINE_DIMS = 32
+"""Head dimensions one combine program folds when the batch leaves multiprocessors idle: a
+lone row's partials spread over several programs. A full batch keeps one program per head,
+so each program's fixed work (finding its sequence and schedule) is not paid several times."""
 _FAST_MIN_SPLIT_KEYS = 256
 """Fast schedule: a split is never shorter than this, so the partials stay cheap."""
 _FAST_MAX_SPLITS = 32
@@ -636,7 +638,8 @@ def _launch(
         num_stages=sched.num_stages,
     )
     if combine:
-        _combine_kernel[(*grid, triton.cdiv(dim, _COMBINE_DIMS))](
+        dims = _COMBINE_DIMS if (num_tokens // block_q + num_seqs) * num_kv_heads < _target_programs(q.device) else dim
+        _combine_kernel[(*grid, triton.cdiv(dim, dims))](
             out,
             part_acc,
             part_max,
@@ -656,7 +659,7 @@ def _launch(
             BLOCK_Q=block_q,
             HEAD_DIM=head_dim,
             DIM=dim,
-            DIMS=min(dim, _COMBINE_DIMS),
+            DIMS=min(dim, dims),
             PREFETCH=_COMBINE_PREFETCH,
             num_warps=_COMBINE_NUM_WARPS,
         )
