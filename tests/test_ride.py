@@ -201,3 +201,19 @@ def test_riding_rows_that_see_their_company_make_the_self_test_refuse(
 def test_a_self_test_with_no_room_names_the_settings(trained_model: Path) -> None:
     with pytest.raises(DeterminismSelfTestError, match=r"max_model_len=2 .*\(num_kv_blocks"):
         LLM(str(trained_model), num_kv_blocks=64, max_model_len=2, **BF16)
+
+
+def test_gemm_proof_compares_every_size_on_many_outputs() -> None:
+    """A bf16 GEMM rounds away most of a change in its summation order: on this CPU a 64x64
+    one gives a few outputs in 10^5 other bits in calls of 1 row than in calls of more. Any
+    path the proof accepts keeps every output's bits over 8,192 rows in calls of each size."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (0.1 * torch.randn(64, 64, generator=gen)).to(torch.bfloat16)
+    x = torch.randn(8192, 64, generator=gen).to(torch.bfloat16)
+    sizes = [1, 2, 4, 8, 16, 32]
+    accepted = [path for path in candidates(torch.device("cpu"), 16) if prove(path, weight, None, sizes) is None]
+    assert accepted
+    for path in accepted:
+        alone = torch.cat([run(path, part, weight) for part in x.split(1)])
+        for m in sizes[1:]:
+            assert torch.equal(torch.cat([run(path, part, weight) for part in x.split(m)]), alone), f"{path}, {m} rows"
