@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from dataclasses import asdict, replace
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from sid import LLM, SamplingParams
+from sid.engine.engine import LLMEngine
 from sid.engine.selftest import DeterminismSelfTestError
 from sid.model.builtin import write_checkpoint
 from sid.runtime.distributed import STEP, ControlChannel, ControlReceiver
@@ -145,16 +146,29 @@ def test_self_test_refuses_at_tp2_and_stops_the_workers(
     assert not dist.is_initialized()
 
 
-def test_killed_worker_fails_the_next_step_within_seconds(checkpoints: dict[str, Path]) -> None:
-    with tp_llm(checkpoints["qwen3"], 4, num_kv_blocks=64, enable_determinism=False, load_format="dummy") as llm:
+@contextmanager
+def failed_step(
+    path: Path, tp: int, fault: Callable[[LLMEngine], object], match: str, **settings: object
+) -> Iterator[tuple[LLMEngine, float]]:
+    """An engine at ``tp`` ranks that ran one step, then met ``fault``, then a step that failed
+    with a ``TPGroupError`` matching ``match``: yields it and the seconds that step took, so
+    each fault test times the same sequence and checks what the engine does afterwards."""
+    with tp_llm(path, tp, num_kv_blocks=64, enable_determinism=False, load_format="dummy", **settings) as llm:
         engine = llm.llm_engine
         engine.add_request("r", PROMPT, SamplingParams(max_tokens=32, ignore_eos=True))
         engine.step()
-        os.kill(engine.workers.pids[2], signal.SIGKILL)
+        fault(engine)
         start = time.monotonic()
-        with pytest.raises(TPGroupError, match=r"worker rank 2 died \(exit code -9\)"):
+        with pytest.raises(TPGroupError, match=match):
             engine.step()
-        elapsed = time.monotonic() - start
+        yield engine, time.monotonic() - start
+
+
+def test_killed_worker_fails_the_next_step_within_seconds(checkpoints: dict[str, Path]) -> None:
+    def kill(engine: LLMEngine) -> None:
+        os.kill(engine.workers.pids[2], signal.SIGKILL)
+
+    with failed_step(checkpoints["qwen3"], 4, kill, r"worker rank 2 died \(exit code -9\)") as (engine, elapsed):
         assert elapsed < 5
         print(f"\nthe step after the kill failed in {elapsed:.2f} s")
         assert all(p.poll() is not None for p in engine.workers.procs.values())  # the others were stopped
@@ -165,17 +179,13 @@ def test_killed_worker_fails_the_next_step_within_seconds(checkpoints: dict[str,
 def test_worker_that_dies_during_a_collective_fails_the_step_within_seconds(checkpoints: dict[str, Path]) -> None:
     """Rank 0 is already waiting in the step's first collective when the worker dies: the
     broken connection, not the 120 s timeout, ends the wait."""
-    with tp_llm(checkpoints["qwen3"], 2, num_kv_blocks=64, enable_determinism=False, load_format="dummy") as llm:
-        engine = llm.llm_engine
-        engine.add_request("r", PROMPT, SamplingParams(max_tokens=32, ignore_eos=True))
-        engine.step()
+
+    def stop_then_kill(engine: LLMEngine) -> None:
         pid = engine.workers.pids[1]
         os.kill(pid, signal.SIGSTOP)  # it takes the plan but never joins the collective
         threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
-        start = time.monotonic()
-        with pytest.raises(TPGroupError, match=r"worker rank 1 died \(exit code -9\)"):
-            engine.step()
-        elapsed = time.monotonic() - start
+
+    with failed_step(checkpoints["qwen3"], 2, stop_then_kill, r"worker rank 1 died \(exit code -9\)") as (_, elapsed):
         assert 0.5 <= elapsed < 5
         print(f"\nthe step whose worker died in it failed after {elapsed:.2f} s")
 
@@ -183,16 +193,12 @@ def test_worker_that_dies_during_a_collective_fails_the_step_within_seconds(chec
 def test_hung_worker_times_out_the_step_with_a_clear_error(checkpoints: dict[str, Path]) -> None:
     """A stopped worker never joins the next collective: rank 0 gives up after the timeout,
     says it was a hang, and stops the workers (the hung one by force)."""
-    settings = dict(num_kv_blocks=64, enable_determinism=False, load_format="dummy", collective_timeout_s=2.0)
-    with tp_llm(checkpoints["qwen3"], 2, **settings) as llm:
-        engine = llm.llm_engine
-        engine.add_request("r", PROMPT, SamplingParams(max_tokens=32, ignore_eos=True))
-        engine.step()
+
+    def stop(engine: LLMEngine) -> None:
         os.kill(engine.workers.pids[1], signal.SIGSTOP)
-        start = time.monotonic()
-        with pytest.raises(TPGroupError, match=r"collective timed out: rank 0 waited 2 s \(collective_timeout_s\)"):
-            engine.step()
-        elapsed = time.monotonic() - start
+
+    match = r"collective timed out: rank 0 waited 2 s \(collective_timeout_s\)"
+    with failed_step(checkpoints["qwen3"], 2, stop, match, collective_timeout_s=2.0) as (engine, elapsed):
         assert 2 <= elapsed < 10
         print(f"\nthe step with a hung worker failed after {elapsed:.2f} s")
         assert all(p.poll() is not None for p in engine.workers.procs.values())

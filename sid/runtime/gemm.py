@@ -42,6 +42,7 @@ import os
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,13 @@ CPU_TILE = 16
 """Rows per GEMM call of the CPU's tiled path: small passes pad to it, large ones loop over it."""
 CPU_MAX_ROWS = 32
 """Rows per GEMM call at most of the CPU's bounded path (``cpu:max32``), tried before the tiled one."""
+PROOF_ELEMENTS = 1 << 18
+"""Outputs on which ``prove`` compares each row count at least where a GEMM rounds its float32
+sums to a narrower dtype: there a change of summation order with the row count shows in few
+outputs (a 64x64 bf16 projection on the CPU: 19 of 524,288 differed between calls of 1 and 2
+rows, so comparing their one common row passed it, and the self-test then refused). Float32
+outputs keep the sums' low bits: the same change altered 70-92 % of them, so one call per
+row count tells it."""
 
 Shape = tuple[int, int, bool]
 """A GEMM as the model runs it: (out features, in features, has a bias)."""
@@ -183,7 +191,11 @@ def prove(path: GemmPath, weight: torch.Tensor, bias: torch.Tensor | None, sizes
     shuffled slots; otherwise what broke. Each size is compared with the next one on their
     common rows (so all agree), smallest first, so a path that fails is told quickly. A tiled
     path runs every GEMM at one row count, so a few sizes around its tile stand for all; a
-    bounded one at every count up to its bound, so those and a few above it stand for all."""
+    bounded one at every count up to its bound, so those and a few above it stand for all.
+
+    Below float32, every size is then compared again on at least ``PROOF_ELEMENTS`` outputs,
+    its calls repeated over further rows where one call has fewer (``_rows_at``): a size of a
+    few rows compared on those rows alone would pass a path whose bits change in few outputs."""
     if FAULTS.no_invariant_gemms:
         return "no path is invariant (fault injected)"
     sizes = sorted(set(sizes))
@@ -193,20 +205,32 @@ def prove(path: GemmPath, weight: torch.Tensor, bias: torch.Tensor | None, sizes
     elif path.max_rows:
         most = path.max_rows
         sizes = sorted({m for m in (*range(1, most + 2), 2 * most + 3, 4 * most) if m <= sizes[-1]})
-    rows = sizes[-1]
-    gen = torch.Generator(device=weight.device).manual_seed(rows)
+    compared = -(-PROOF_ELEMENTS // weight.shape[0]) if torch.finfo(weight.dtype).bits < 32 else 1  # rows
+    rows = max(-(-compared // m) * m for m in sizes)
+    gen = torch.Generator(device=weight.device).manual_seed(sizes[-1])
     x = torch.randn(rows, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
     with torch.inference_mode():
-        smaller = run(path, x[: sizes[0]], weight, bias)
-        for m in sizes[1:]:
-            out = run(path, x[:m], weight, bias)
-            if not torch.equal(out[: len(smaller)], smaller):
-                return f"a row changes bits between {len(smaller)} and {m} rows"
-            smaller = out
-        perm = torch.randperm(rows, generator=gen, device=weight.device)
+        for cover in sorted({1, compared}):  # one call per size first: a path that changes many bits fails quickly
+            smaller = _rows_at(path, x, sizes[0], cover, weight, bias)
+            for previous, m in pairwise(sizes):
+                out = _rows_at(path, x, m, cover, weight, bias)
+                common = min(len(out), len(smaller))
+                if not torch.equal(out[:common], smaller[:common]):
+                    return f"a row changes bits between {previous} and {m} rows"
+                smaller = out
+        perm = torch.randperm(sizes[-1], generator=gen, device=weight.device)
         if not torch.equal(run(path, x[perm], weight, bias), smaller[perm]):
             return "a row changes with its slot"
     return None
+
+
+def _rows_at(
+    path: GemmPath, x: torch.Tensor, m: int, rows: int, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The first rows of ``x`` through ``path`` in calls of ``m`` rows each, as many calls as
+    cover ``rows`` rows (one, where ``m`` does)."""
+    calls = -(-rows // m)
+    return torch.cat([run(path, x[i * m : (i + 1) * m], weight, bias) for i in range(calls)])
 
 
 def time_gemm(path: GemmPath, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, iters: int = 20) -> float:
