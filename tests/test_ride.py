@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,8 +23,9 @@ from sid import LLM, SamplingParams
 from sid.engine.plan import PassSizes, ScheduledChunk
 from sid.engine.selftest import DeterminismSelfTestError, synthetic_request
 from sid.repro import Repro, summarize
-from sid.runtime.faults import FAULTS
-from sid.runtime.gemm import GemmPath, candidates, prove, prove_plan, run
+from sid.runtime import gemm
+from sid.runtime.faults import FAULTS, batch_noise
+from sid.runtime.gemm import GemmPath, Gemms, candidates, prove, prove_plan, run
 from tests.test_determinism import CROWD, PROMPT, crowd_params, det, fresh_process_output
 
 BF16 = dict(dtype="bfloat16")
@@ -87,6 +89,43 @@ def test_greedy_seeded_and_logprobs_beside_normal_rows_equal_the_alone_run(
     assert all(o.fingerprint == reference["fingerprint"] for o in outs[2:5])
     normal = llm.generate(PROMPT, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     assert normal.outputs[0].token_ids != reference["greedy"]  # the faults do reach normal requests
+
+
+def test_gemms_run_only_the_canonical_rows_on_a_proven_path_that_is_not_the_fast_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A mixed pass gives its canonical rows the proven path's bits, padded to a proven size
+    and the shape's floor, and the other rows the fast path's, in one call each."""
+    monkeypatch.setattr(FAULTS, "fast_gemm_noise", 0.05)  # the fast path's bits depend on its row count
+    gen = torch.Generator().manual_seed(0)
+    down = torch.randn(384, 1024, generator=gen).bfloat16()
+    up = torch.randn(1024, 384, generator=gen).bfloat16()
+    bounded, fast = GemmPath("cpu", max_rows=32), GemmPath("cpu")
+    sizes = PassSizes.grid(1, 512, 8, cover=True)
+    assert prove(bounded, down, None, sizes.sizes) is None and prove(fast, up, None, sizes.sizes) is None
+    shape = (384, 1024, False)
+    gemms = Gemms(fast, {shape: bounded, (1024, 384, False): fast}, min_rows={shape: 12}, sizes=sizes)
+    calls: list[tuple[GemmPath, int]] = []
+    monkeypatch.setattr(gemm, "run", lambda path, x, w, b=None: calls.append((path, len(x))) or run(path, x, w, b))
+    x = torch.randn(300, 1024, generator=gen).bfloat16()
+    flags = np.zeros(300, dtype=bool)
+    for canonical in ([3, 40, 41, 299], [*range(120, 137)], []):
+        flags[:] = False
+        flags[canonical] = True
+        split = gemms.split_of(flags, x.device)
+        assert isinstance(split.canonical, slice) == (len(canonical) != 4)
+        gemms.select(True, split)
+        calls.clear()
+        out = gemms.linear(x, down)
+        padded = max(sizes.fit(len(canonical)), 12) if canonical else 0
+        assert calls == [(fast, 300 - len(canonical)), *([(bounded, padded)] * bool(canonical))]
+        assert torch.equal(out[flags], run(bounded, x, down)[flags])  # the bits of a pass all on the proven path
+        others = run(fast, x[~flags], down)
+        assert torch.equal(out[~flags], others + batch_noise(others, 0.05))
+        calls.clear()
+        h = x[:, :384].contiguous()
+        assert torch.equal(gemms.linear(h, up), run(fast, h, up)) and calls == [(fast, 300)]  # proven = fast: one call
+    assert gemms.split_of(np.ones(300, dtype=bool), x.device) is None  # every row canonical: no split
 
 
 @pytest.mark.parametrize("strategy", ["speculate", "direct", "whole"])
