@@ -91,6 +91,41 @@ def test_greedy_seeded_and_logprobs_beside_normal_rows_equal_the_alone_run(
     assert normal.outputs[0].token_ids != reference["greedy"]  # the faults do reach normal requests
 
 
+def test_a_riding_request_beside_long_prompts_keeps_the_alone_bits(
+    trained_model: Path, reference: dict, faults: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The down projection is proven only in GEMMs of at most 32 rows (``cpu:max32``), so in
+    passes with long prompts only the deterministic rows take that path and the prompts' rows
+    the fast one (``RowSplit``): the deterministic request's tokens and logprobs stay those of
+    its alone run, where every pass ran all its rows on the proven paths."""
+    splits: list[tuple[int, int]] = []  # (canonical rows, rows) of each pass that split them
+    split_of = Gemms.split_of
+
+    def spy(self: Gemms, flags: np.ndarray, device: torch.device) -> gemm.RowSplit | None:
+        split = split_of(self, flags, device)
+        if split is not None:
+            splits.append((split.count, len(flags)))
+        return split
+
+    monkeypatch.setattr(Gemms, "split_of", spy)
+    llm = LLM(str(trained_model), num_kv_blocks=512, **BF16)
+    engine = llm.llm_engine
+    assert engine.get_stats()["gemm_paths"]["384x1024"] == "cpu:max32"
+    splits.clear()  # the self-test's
+    engine.add_request("det", PROMPT, det(logprobs=3))
+    steps, done = 0, None
+    while engine.has_unfinished_requests():
+        if steps % 6 == 1 and steps < 30:  # a long prompt arrives beside the deterministic decode rows
+            prompt = f"# request {steps}\n" + "import numpy as np\n" * 20
+            engine.add_request(f"n{steps}", prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=steps))
+        done = next((o for o in engine.step() if o.request_id == "det" and o.finished), done)
+        steps += 1
+    ref = reference["logprobs"].outputs[0]
+    assert done is not None and done.outputs[0].token_ids == ref.token_ids
+    assert done.outputs[0].logprobs == ref.logprobs  # bit-identical floats, ranks and top-3 sets
+    assert any(count < 4 and rows - count > 100 for count, rows in splits), splits
+
+
 def test_gemms_run_only_the_canonical_rows_on_a_proven_path_that_is_not_the_fast_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -198,6 +233,8 @@ def test_a_riding_pass_is_padded_to_a_proven_size(trained_model: Path) -> None:
     assert size > 37 and len(rows.input_ids) == size and rows.pad == size - 37
     assert rows.canonical_seqs == [0, 1, 0]  # the normal chunk, the deterministic one, the padding
     assert rows.logit_rows == [26, 36] and rows.logit_pad == 0  # 2 rows: a proven size already
+    alone = runner._rows([ScheduledChunk(deterministic, 0, 37)], canonical=False, ride=True)
+    assert alone.pad == size - 37 and alone.canonical_seqs == [1, 1]  # all canonical: the padding too, so no split
     fast = runner._rows(chunks, canonical=False, ride=False)
     assert fast.pad == 0 and fast.canonical_seqs is None
 
