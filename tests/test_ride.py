@@ -16,6 +16,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,8 +25,9 @@ from sid.engine.plan import PassSizes, ScheduledChunk
 from sid.engine.selftest import DeterminismSelfTestError, synthetic_request
 from sid.model.builtin import write_checkpoint
 from sid.repro import Repro, summarize
-from sid.runtime.faults import FAULTS
-from sid.runtime.gemm import GemmPath, candidates, prove, prove_plan, run
+from sid.runtime import gemm
+from sid.runtime.faults import FAULTS, batch_noise
+from sid.runtime.gemm import GemmPath, Gemms, candidates, prove, prove_plan, run
 from tests.test_determinism import CROWD, PROMPT, crowd_params, det, fresh_process_output
 
 BF16 = dict(dtype="bfloat16")
@@ -89,6 +91,78 @@ def test_greedy_seeded_and_logprobs_beside_normal_rows_equal_the_alone_run(
     assert all(o.fingerprint == reference["fingerprint"] for o in outs[2:5])
     normal = llm.generate(PROMPT, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     assert normal.outputs[0].token_ids != reference["greedy"]  # the faults do reach normal requests
+
+
+def test_a_riding_request_beside_long_prompts_keeps_the_alone_bits(
+    trained_model: Path, reference: dict, faults: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The down projection is proven only in GEMMs of at most 32 rows (``cpu:max32``), so in
+    passes with long prompts only the deterministic rows take that path and the prompts' rows
+    the fast one (``RowSplit``): the deterministic request's tokens and logprobs stay those of
+    its alone run, where every pass ran all its rows on the proven paths."""
+    splits: list[tuple[int, int]] = []  # (canonical rows, rows) of each pass that split them
+    split_of = Gemms.split_of
+
+    def spy(self: Gemms, flags: np.ndarray, device: torch.device) -> gemm.RowSplit | None:
+        split = split_of(self, flags, device)
+        if split is not None:
+            splits.append((split.count, len(flags)))
+        return split
+
+    monkeypatch.setattr(Gemms, "split_of", spy)
+    llm = LLM(str(trained_model), num_kv_blocks=512, **BF16)
+    engine = llm.llm_engine
+    assert engine.get_stats()["gemm_paths"]["384x1024"] == "cpu:max32"
+    splits.clear()  # the self-test's
+    engine.add_request("det", PROMPT, det(logprobs=3))
+    steps, done = 0, None
+    while engine.has_unfinished_requests():
+        if steps % 6 == 1 and steps < 30:  # a long prompt arrives beside the deterministic decode rows
+            prompt = f"# request {steps}\n" + "import numpy as np\n" * 20
+            engine.add_request(f"n{steps}", prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=steps))
+        done = next((o for o in engine.step() if o.request_id == "det" and o.finished), done)
+        steps += 1
+    ref = reference["logprobs"].outputs[0]
+    assert done is not None and done.outputs[0].token_ids == ref.token_ids
+    assert done.outputs[0].logprobs == ref.logprobs  # bit-identical floats, ranks and top-3 sets
+    assert any(count < 4 and rows - count > 100 for count, rows in splits), splits
+
+
+def test_gemms_run_only_the_canonical_rows_on_a_proven_path_that_is_not_the_fast_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A mixed pass gives its canonical rows the proven path's bits, padded to a proven size
+    and the shape's floor, and the other rows the fast path's, in one call each."""
+    monkeypatch.setattr(FAULTS, "fast_gemm_noise", 0.05)  # the fast path's bits depend on its row count
+    gen = torch.Generator().manual_seed(0)
+    down = torch.randn(384, 1024, generator=gen).bfloat16()
+    up = torch.randn(1024, 384, generator=gen).bfloat16()
+    bounded, fast = GemmPath("cpu", max_rows=32), GemmPath("cpu")
+    sizes = PassSizes.grid(1, 512, 8, cover=True)
+    assert prove(bounded, down, None, sizes.sizes) is None and prove(fast, up, None, sizes.sizes) is None
+    shape = (384, 1024, False)
+    gemms = Gemms(fast, {shape: bounded, (1024, 384, False): fast}, min_rows={shape: 12}, sizes=sizes)
+    calls: list[tuple[GemmPath, int]] = []
+    monkeypatch.setattr(gemm, "run", lambda path, x, w, b=None: calls.append((path, len(x))) or run(path, x, w, b))
+    x = torch.randn(300, 1024, generator=gen).bfloat16()
+    flags = np.zeros(300, dtype=bool)
+    for canonical in ([3, 40, 41, 299], [*range(120, 137)], []):
+        flags[:] = False
+        flags[canonical] = True
+        split = gemms.split_of(flags, x.device)
+        assert isinstance(split.canonical, slice) == (len(canonical) != 4)
+        gemms.select(True, split)
+        calls.clear()
+        out = gemms.linear(x, down)
+        padded = max(sizes.fit(len(canonical)), 12) if canonical else 0
+        assert calls == [(fast, 300 - len(canonical)), *([(bounded, padded)] * bool(canonical))]
+        assert torch.equal(out[flags], run(bounded, x, down)[flags])  # the bits of a pass all on the proven path
+        others = run(fast, x[~flags], down)
+        assert torch.equal(out[~flags], others + batch_noise(others, 0.05))
+        calls.clear()
+        h = x[:, :384].contiguous()
+        assert torch.equal(gemms.linear(h, up), run(fast, h, up)) and calls == [(fast, 300)]  # proven = fast: one call
+    assert gemms.split_of(np.ones(300, dtype=bool), x.device) is None  # every row canonical: no split
 
 
 @pytest.mark.parametrize("strategy", ["speculate", "direct", "whole"])
@@ -161,6 +235,8 @@ def test_a_riding_pass_is_padded_to_a_proven_size(trained_model: Path) -> None:
     assert size > 37 and len(rows.input_ids) == size and rows.pad == size - 37
     assert rows.canonical_seqs == [0, 1, 0]  # the normal chunk, the deterministic one, the padding
     assert rows.logit_rows == [26, 36] and rows.logit_pad == 0  # 2 rows: a proven size already
+    alone = runner._rows([ScheduledChunk(deterministic, 0, 37)], canonical=False, ride=True)
+    assert alone.pad == size - 37 and alone.canonical_seqs == [1, 1]  # all canonical: the padding too, so no split
     fast = runner._rows(chunks, canonical=False, ride=False)
     assert fast.pad == 0 and fast.canonical_seqs is None
 

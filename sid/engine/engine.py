@@ -233,7 +233,7 @@ class LLMEngine:
             logger.info("no row-invariant GEMM path for every shape; deterministic requests take the windowed lane")
             return
         gemms = self.model.gemms
-        gemms.invariant = plan
+        gemms.invariant, gemms.sizes = plan, sizes
         gemms.min_rows = pad_floors(plan, self.model.gemm_weights(), gemms.fast)
         if self.workers is not None:
             self.workers.set_gemms(gemms)

@@ -34,6 +34,12 @@ without a workspace took 22.7 us for one row of Qwen3-0.6B's down projection and
 for 8, where cuBLASLt took 16.0 for either). Since its rows keep their bits at every row
 count, such a GEMM may run padded to a cheaper row count (``Gemms.min_rows``, timed at
 start-up, ``pad_floors``): a speed choice that changes no bits, so no fingerprint records it.
+
+A pass that holds deterministic rows among normal ones runs a shape whose proven path is not
+the fast one row-selectively (``RowSplit``): only the deterministic rows take the proven path,
+the others the fast path in one call, so a long prompt beside one deterministic decode row
+does not run at the proven path's speed. Where the proven path is the fast path, all rows
+stay in one call.
 """
 
 from __future__ import annotations
@@ -43,12 +49,18 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sid.runtime.faults import FAULTS, batch_noise
+from sid.runtime.transfer import upload
+
+if TYPE_CHECKING:
+    from sid.engine.plan import PassSizes
 
 for _name, _value in (("CUBLAS_WORKSPACE_CONFIG", ":0:0"), ("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0")):
     os.environ.setdefault(_name, _value)
@@ -113,32 +125,111 @@ def run(path: GemmPath, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return torch.cat([F.linear(part, weight, bias) for part in padded.split(path.tile)])[:rows]
 
 
+Rows = slice | torch.Tensor
+"""Some rows of a pass: a contiguous range, or their indices (int64, on the pass's device)."""
+
+
+def _rows(indices: np.ndarray, device: torch.device) -> Rows:
+    """``indices`` (ascending) as a slice where they are contiguous: a view, no gather."""
+    start = int(indices[0]) if len(indices) else 0
+    if not len(indices) or indices[-1] - start + 1 == len(indices):
+        return slice(start, start + len(indices))
+    return upload(device, [indices], torch.int64)[0]
+
+
+def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+
+
+def _put(out: torch.Tensor, rows: Rows, values: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        out[rows] = values
+    else:
+        out.index_copy_(0, rows, values)
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """A pass's rows split into the canonical ones (deterministic sequences') and the others,
+    found once per pass (the runner's ``forward``) and read by every GEMM of it.
+
+    A GEMM whose proven path is not the fast one runs the canonical rows alone on the proven
+    path and the others on the fast path, one call each. The proven call has ``proven_rows``
+    rows, a row count the start-up proof covered: a row gets the same bits at every such
+    count, so computing only the canonical rows gives them the bits of the whole pass."""
+
+    canonical: Rows
+    fast: Rows
+    count: int
+    """How many rows are canonical (0: the fast path serves every row)."""
+    proven_rows: int
+    """The proven call's row count (before the shape's ``min_rows`` floor): a proven size of at least ``count``."""
+
+
 @dataclass
 class Gemms:
     """The GEMM paths of one model, shared by its layers. ``invariant`` maps each shape to its
-    proven path (None until proven, or when some shape has none); the runner sets
-    ``use_invariant`` for each pass that holds deterministic rows."""
+    proven path (None until proven, or when some shape has none); the runner ``select``s the
+    paths of each pass."""
 
     fast: GemmPath = field(default_factory=lambda: GemmPath("cpu"))
     invariant: dict[Shape, GemmPath] | None = None
     use_invariant: bool = False
+    split: RowSplit | None = None
+    """With ``use_invariant``: the rows that need the proven paths; None = every row."""
     min_rows: dict[Shape, int] = field(default_factory=dict)
     """Row counts that proven GEMMs of a shape are padded up to, where that is quicker."""
+    sizes: PassSizes | None = None
+    """The row counts the proof covered (with ``invariant``)."""
     k_chunks: int | None = None
     """This rank's share of the TP-invariant K-split (``tp_invariant_chunks`` / TP size):
     row-parallel GEMMs of passes with canonical rows run in that many chunks of their inputs,
     summed in a fixed tree (``row_parallel``); None = one GEMM."""
 
+    def select(self, invariant: bool, split: RowSplit | None = None) -> None:
+        """The paths of the GEMMs to come: the fast ones, or (``invariant``) the proven ones
+        for the rows of ``split`` (every row when None) and the fast ones for the rest."""
+        self.use_invariant, self.split = invariant, split
+
+    def split_of(self, flags: np.ndarray, device: torch.device) -> RowSplit | None:
+        """The split of a pass's rows into those whose boolean ``flags`` say canonical and the
+        others; None when every row is canonical, so each GEMM runs them all in one call."""
+        if flags.all():
+            return None
+        assert self.sizes is not None, "a pass split its rows before any GEMM was proven"
+        canonical = np.flatnonzero(flags)
+        count = len(canonical)
+        fast = _rows(np.flatnonzero(~flags), device)
+        return RowSplit(_rows(canonical, device), fast, count, self.sizes.fit(count) if count else 0)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.use_invariant:
-            assert self.invariant is not None, "a pass asked for invariant GEMMs before any were proven"
-            shape = shape_of(weight, bias)
-            rows, floor = x.shape[0], self.min_rows.get(shape, 0)
-            if rows < floor:
-                return run(self.invariant[shape], F.pad(x, (0, 0, 0, floor - rows)), weight, bias)[:rows]
-            return run(self.invariant[shape], x, weight, bias)
+        if not self.use_invariant:
+            return self._fast(x, weight, bias)
+        assert self.invariant is not None, "a pass asked for invariant GEMMs before any were proven"
+        shape, split = shape_of(weight, bias), self.split
+        if split is None or self.invariant[shape] == self.fast:
+            return self._proven(shape, x, weight, bias)
+        if not split.count:
+            return self._fast(x, weight, bias)
+        out = x.new_empty(x.shape[0], weight.shape[0])
+        _put(out, split.fast, self._fast(_take(x, split.fast), weight, bias))
+        _put(out, split.canonical, self._proven(shape, _take(x, split.canonical), weight, bias, split.proven_rows))
+        return out
+
+    def _fast(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = run(self.fast, x, weight, bias)
         return out + batch_noise(out, FAULTS.fast_gemm_noise) if FAULTS.fast_gemm_noise else out
+
+    def _proven(
+        self, shape: Shape, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int = 0
+    ) -> torch.Tensor:
+        """``x`` through the proven path of ``shape``, padded to ``rows`` and to the shape's
+        floor: its rows keep their bits at every proven row count, so padding changes none."""
+        n = x.shape[0]
+        padded = max(n, rows, self.min_rows.get(shape, 0))
+        if padded == n:
+            return run(self.invariant[shape], x, weight, bias)
+        return run(self.invariant[shape], F.pad(x, (0, 0, 0, padded - n)), weight, bias)[:n]
 
     def row_parallel(self, x: torch.Tensor, layer: Linear, canonical: bool) -> torch.Tensor:
         """A row-parallel layer's partial sum on this rank. With ``k_chunks`` a pass with
@@ -146,7 +237,9 @@ class Gemms:
         every TP size runs the same GEMMs) and adds them in a balanced tree: at TP size t each
         rank holds ``k_chunks`` = C / t whole chunks, a subtree of the same tree of C leaves,
         so the ranks' sums, added as a tree over the ranks, give the bits of one rank
-        computing all C."""
+        computing all C. Each chunk's GEMM follows the pass's ``split`` like any other: the
+        canonical rows sum proven chunks, the others fast ones in the same tree (their bits
+        are free, and one K-split of all rows keeps a single tree sum and collective)."""
         if not canonical or self.k_chunks is None:
             return layer(x)
         parts = x.chunk(self.k_chunks, -1)

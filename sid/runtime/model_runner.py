@@ -8,9 +8,10 @@ the canonical schedule, so each row's result is a function of its own request an
 alone.
 
 Where the GEMMs keep a row's bits at every row count (``ride``, DESIGN 1b), a fast pass may
-carry deterministic requests' rows: the pass runs its GEMMs on their row-invariant paths, is
-padded to a size the start-up proof covered (as are its LM head and sampler rows), and those
-rows attend with the canonical schedule while the others keep the fast one.
+carry deterministic requests' rows: those rows run the GEMMs on their row-invariant paths
+(the other rows too where a path is the fast one, else the fast path: ``RowSplit``), the pass
+is padded to a size the start-up proof covered (as are its LM head and sampler rows), and
+those rows attend with the canonical schedule while the others keep the fast one.
 
 ``launch`` queues a pass and its sampling without waiting for the GPU; ``collect`` waits for
 the sampled tokens, copied to pinned host memory, and hands them out. Between the two the
@@ -41,6 +42,7 @@ from sid.outputs import Logprob, PositionLogprobs
 from sid.runtime.attention import AttentionMetadata, PagedKVCache
 from sid.runtime.cuda_graphs import CUDAGraphs
 from sid.runtime.faults import FAULTS
+from sid.runtime.gemm import RowSplit
 from sid.runtime.sampler import SamplerOutput, SamplingBatch, compute_logprobs, sample
 from sid.runtime.transfer import upload
 from sid.sampling_params import SamplingParams
@@ -347,7 +349,8 @@ class ModelRunner:
             rows.logit_rows = prompt + [row for row, _ in rows.sample_rows]
             rows.prompt_index = list(range(len(prompt)))
             if ride:
-                rows.canonical_seqs = [int(c.request.deterministic) for c in chunks] + [0] * bool(rows.pad)
+                flags = [int(c.request.deterministic) for c in chunks]
+                rows.canonical_seqs = flags + [min(flags)] * bool(rows.pad)  # padding joins an all-deterministic pass
                 if rows.logit_rows:
                     rows.logit_rows, rows.logit_pad = _pad_rows(rows.logit_rows, self.canonical.fit(len(rows.logit_rows)))
         elif every_row:
@@ -502,13 +505,29 @@ class ModelRunner:
                 canonical=step.canonical if flags is None else canonical_seqs,
                 schedules=(True, True) if flags is None else (not all(flags), any(flags)),
             )
-            self.model.gemms.use_invariant = step.invariant
+            body, head = self._splits(step)
+            gemms = self.model.gemms
+            gemms.select(step.invariant, body)
             hidden = self.model(ids, positions, self.kv_cache)
             if step.logit_rows is None:
                 return self.model.compute_logits(hidden)  # every row, padding included
             if not step.logit_rows:
                 return None
+            gemms.select(step.invariant, head)
             return self.model.compute_logits(hidden[logit_rows])
+
+    def _splits(self, step: StepInputs) -> tuple[RowSplit | None, RowSplit | None]:
+        """The canonical rows of a ride pass (its deterministic sequences'), among all rows and
+        among the logit rows: the proven GEMMs run only those (``Gemms.linear``). None where
+        every row is canonical, as in canonical passes (and CUDA graphs, ``CUDAGraphs.forward``)."""
+        if not step.invariant or step.canonical_seqs is None:
+            return None, None
+        rows = np.repeat(np.array(step.canonical_seqs, dtype=bool), np.diff(step.query_start_loc))
+        gemms = self.model.gemms
+        body = gemms.split_of(rows, self.device)
+        if body is None or not step.logit_rows:
+            return body, None
+        return body, gemms.split_of(rows[step.logit_rows], self.device)
 
     def _fast_lane_faults(
         self, logits: torch.Tensor, num_rows: int, chunks: Sequence[ScheduledChunk], rows: PassRows

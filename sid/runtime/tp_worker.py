@@ -127,7 +127,7 @@ def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore, control: ControlRe
         if kind == STOP:
             break
         if kind == GEMMS:
-            model.gemms.invariant, model.gemms.min_rows = pickle.loads(store.get(f"{_KEY}/gemms"))
+            model.gemms.invariant, model.gemms.min_rows, model.gemms.sizes = pickle.loads(store.get(f"{_KEY}/gemms"))
         elif kind == KV_CACHE:
             assert isinstance(arg, int)
             runner = None  # free the old cache before allocating the new one
@@ -184,9 +184,10 @@ class TPWorkers:
         self._wait_for("ready")
 
     def set_gemms(self, gemms: Gemms) -> None:
-        """Every worker takes rank 0's proven GEMM paths and pad floors (its shard has rank 0's shapes)."""
+        """Every worker takes rank 0's proven GEMM paths, pad floors and proven row counts
+        (its shard has rank 0's shapes)."""
         self._raise_if_dead()
-        self.store.set(f"{_KEY}/gemms", pickle.dumps((gemms.invariant, gemms.min_rows)))
+        self.store.set(f"{_KEY}/gemms", pickle.dumps((gemms.invariant, gemms.min_rows, gemms.sizes)))
         self.control.send(GEMMS)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
