@@ -383,11 +383,13 @@ def _attend_split(
     read straight from ``k``/``v``. The tiles left (all of them in decode launches, which keep
     one loop: a decode row's keys are nearly all of one kind) load per key and apply the
     causal mask."""
-    # The loop over the pass's own keys runs one stage fewer than the launch: the cache
-    # loop's loads wait on its block-table loads, so both then hold as many buffers. The
-    # diagonal tiles of a prompt block are one or two: not pipelined, which keeps their
-    # registers down.
-    new_stages: tl.constexpr = STAGES - 1 if STAGES > 1 else 1
+    # Elsewhere the loop over the pass's own keys runs one stage fewer than the launch: the
+    # cache loop's loads wait on its block-table loads, so both then hold as many buffers,
+    # and two 4-warp canonical programs still share a multiprocessor (82 KB of shared memory
+    # each; 147 KB at the launch's depth). A fast prefill program fills a multiprocessor with
+    # its registers alone, so its loop keeps the launch's depth. The diagonal tiles of a
+    # prompt block are one or two: not pipelined, which keeps their registers down.
+    new_stages: tl.constexpr = STAGES if FAST_PREFILL else (STAGES - 1 if STAGES > 1 else 1)
     masked_stages: tl.constexpr = 1 if PROMPT else STAGES
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
