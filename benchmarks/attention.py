@@ -300,7 +300,8 @@ def time_prefill(
     smoke: bool,
 ) -> list[dict]:
     """``seqs`` prompt chunks of ``length`` tokens after ``prefix`` cached ones (K/V stored first,
-    as the engine does): the store, then attention in both schedules."""
+    as the engine does): the store, then attention in both schedules, the chunks' own keys read
+    from the step's K/V as the engine passes them."""
     elem = torch.finfo(DTYPE).bits // 8
     context = prefix + length
     tokens, cached = seqs * length, seqs * context
@@ -332,7 +333,7 @@ def time_prefill(
         def prefill() -> None:
             paged_attention(
                 q, k_cache, v_cache, table, seq_lens, query_start_loc, head_dim**-0.5,
-                canonical=canonical, out=out, max_query_len=length, max_seq_len=context,
+                canonical=canonical, out=out, max_query_len=length, max_seq_len=context, k=key, v=value,
             )
 
         ms = bench(prefill, smoke)

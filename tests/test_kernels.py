@@ -4,7 +4,9 @@ On a CPU machine the kernels run in Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET before any kernel module is imported), so sizes are small; on a GPU the same
 tests run compiled. Caches are poisoned with NaN wherever nothing was written, block tables
 carry holes, shuffled block ids and junk past each sequence's blocks, and outputs start as NaN,
-so a kernel that reads or writes outside its contract fails.
+so a kernel that reads or writes outside its contract fails. A step's own keys and values,
+which the Triton kernel may read instead of the cache, sit between NaN columns of one fused
+projection, as the model hands them over.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ def canonical_split(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(attention.CANONICAL_CONFIG, "kv_split", SPLIT)
 
 
+Seq = tuple[list[int], int, torch.Tensor]
+"""A step's sequence: block ids, context length, query rows."""
+
+
 class Pool:
     """A NaN-poisoned paged KV pool; contexts get shuffled, non-contiguous blocks, with holes."""
 
@@ -55,6 +61,8 @@ class Pool:
         self.k = torch.full(shape, float("nan"), dtype=dtype, device=device)
         self.v = torch.full(shape, float("nan"), dtype=dtype, device=device)
         self.free = torch.randperm(num_blocks, generator=self.gen).tolist()
+        self.contexts: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        """Block ids of each stored context -> its keys and values."""
 
     def random_kv(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (length, *self.k.shape[2:])
@@ -70,7 +78,27 @@ class Pool:
         pos = torch.arange(len(keys))
         slots = torch.tensor(blocks)[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
         store_kv_ref(keys.to(self.device), values.to(self.device), self.k, self.v, slots.to(self.device))
+        self.contexts[tuple(blocks)] = keys, values
         return blocks
+
+    def new_kv(self, seqs: list[Seq], layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's own K/V (each sequence's last ``len(q)`` keys, in the cache's dtype) as views
+        of one NaN-filled fused projection: rows 16-byte aligned (``fused``: TMA descriptors where
+        the kernel takes them) or not (``strided``: plain loads)."""
+        keys, values = (
+            torch.cat([self.contexts[tuple(blocks)][i][ctx - len(q) : ctx] for blocks, ctx, q in seqs])
+            for i in (0, 1)
+        )
+        rows, kv_heads, head_dim = keys.shape
+        width = kv_heads * head_dim
+        # fused: k | v | 8 NaN columns; strided: NaN | k | NaN | v | NaN, an odd row length.
+        pad, gap = (8, 0) if layout == "fused" else (3, 1)
+        fused = torch.full((rows, 2 * width + pad), float("nan"), dtype=self.k.dtype, device=self.device)
+        k, v = fused[:, gap : gap + width], fused[:, 2 * gap + width : 2 * gap + 2 * width]
+        k, v = k.view(rows, kv_heads, head_dim), v.view(rows, kv_heads, head_dim)
+        k.copy_(keys)
+        v.copy_(values)
+        return k, v
 
 
 @dataclass
@@ -79,9 +107,14 @@ class Batch:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    seqs: list[tuple[list[int], int, torch.Tensor]]
 
     def args(self, pool: Pool) -> tuple:
         return self.q, pool.k, pool.v, self.block_tables, self.seq_lens, self.query_start_loc
+
+    def new_kv(self, pool: Pool, layout: str | None) -> dict[str, torch.Tensor]:
+        """``paged_attention``'s ``k``/``v`` for the step (none for ``layout`` None)."""
+        return dict(zip("kv", pool.new_kv(self.seqs, layout))) if layout else {}
 
 
 def make_batch(seqs: list[tuple[list[int], int, torch.Tensor]], device: torch.device = DEVICE) -> Batch:
@@ -98,6 +131,7 @@ def make_batch(seqs: list[tuple[list[int], int, torch.Tensor]], device: torch.de
         block_tables=table.to(device),
         seq_lens=torch.tensor([ctx for _, ctx, _ in seqs], dtype=torch.int32, device=device),
         query_start_loc=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(torch.int32).to(device),
+        seqs=seqs,
     )
 
 
@@ -155,9 +189,12 @@ def test_store_kv_writes_only_its_slots(in_dtype: torch.dtype, cache_dtype: torc
     ],
 )
 @pytest.mark.parametrize("canonical", [False, True])
+@pytest.mark.parametrize("new_kv", [None, "fused", "strided"])
 def test_paged_attention_matches_reference(
-    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, canonical: bool
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, canonical: bool, new_kv: str | None
 ) -> None:
+    """Both schedules against their references, prompt chunks reading their keys from the
+    cache or from the step's own K/V (``new_kv``: aligned views, or unaligned ones)."""
     pool = Pool(260, kv_heads, head_dim, dtype, seed=heads * 31 + head_dim)
     shapes = mixed_shapes(canonical)
     batch = mixed_batch(pool, heads, shapes)
@@ -167,7 +204,13 @@ def test_paged_attention_matches_reference(
     buffer = torch.full((len(batch.q) + 2, *batch.q.shape[1:]), float("nan"), dtype=dtype, device=DEVICE)
     out = buffer[1:-1]
     got = attention.paged_attention(
-        *batch.args(pool), scale, canonical=canonical, out=out, max_query_len=37, max_seq_len=shapes[0][0]
+        *batch.args(pool),
+        scale,
+        canonical=canonical,
+        out=out,
+        max_query_len=37,
+        max_seq_len=shapes[0][0],
+        **batch.new_kv(pool, new_kv),
     )
     assert got is out
     assert not out.isnan().any()
@@ -188,6 +231,32 @@ def test_fast_schedule_splits_kv_and_agrees_with_canonical() -> None:
     _close(fast, canon, torch.float32)
 
 
+@pytest.mark.parametrize("new_kv", [None, "fused", "strided"])
+def test_fast_prompt_rows_split_kv(new_kv: str | None) -> None:
+    """A thin prompt step splits the fast schedule's keys too, at a boundary inside a 128-row
+    query block, so some of its rows have no key in a split; with the chunk's keys read from
+    the cache or from the step's own K/V the rows match the reference."""
+    ctx, q_len = 1100, 200
+    pool = Pool(120, 2, 64, torch.float32, seed=7)
+    batch = mixed_batch(pool, 2, [(ctx, q_len)])
+    sched = attention._fast_schedule(q_len, 1, 1, 2, q_len, ctx, DEVICE)
+    boundaries = range(sched.split_size, ctx, sched.split_size)
+    assert sched.fast_prefill and any(b % 128 for b in boundaries if b > ctx - q_len)
+    got = attention.paged_attention(*batch.args(pool), 0.125, canonical=False, **batch.new_kv(pool, new_kv))
+    _close(got, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
+
+
+def test_tensor_descriptors_need_aligned_rows() -> None:
+    """TMA descriptors over the step's own K/V only where the device has them and the rows are
+    16-byte aligned (the tests above run both kinds of load)."""
+    pool = Pool(8, 2, 64, torch.bfloat16, seed=3)
+    seqs = [(pool.add(*pool.random_kv(40)), 40, torch.zeros(40, 4, 64))]
+    fused, strided = (pool.new_kv(seqs, layout) for layout in ("fused", "strided"))
+    descriptors = attention._tensor_descriptors(*fused, 64, 64)
+    assert all(d is not None for d in descriptors) == attention._has_tma(DEVICE)
+    assert attention._tensor_descriptors(*strided, 64, 64) == (None, None)
+
+
 def test_max_lengths_are_optional() -> None:
     """Without host maxima the launch reads them from the device and gives the same result."""
     pool = Pool(80, 2, 64, torch.float32, seed=6)
@@ -201,6 +270,8 @@ def test_max_lengths_are_optional() -> None:
 
 FIRST, MID, LAST = SPLIT - 24, SPLIT + 2, SPLIT + 15
 """Target rows FIRST..LAST straddle the canonical split boundary; MID splits them into chunks."""
+EDGES = (0, 127, 128, 299, 800, 895, 896)
+"""Earlier target positions also computed as lone decode rows: at and around tile edges."""
 
 
 Variant = tuple[list[tuple[list[int], int, torch.Tensor]], list[tuple[int, int]]]
@@ -213,7 +284,7 @@ def _target_variants(dtype: torch.dtype) -> tuple[Pool, list[Variant]]:
     the target's K/V sit twice in the pool, at two different sets of blocks.
     """
     heads, kv_heads, head_dim = 4, 2, 64
-    pool = Pool(520, kv_heads, head_dim, dtype, seed=11)
+    pool = Pool(600, kv_heads, head_dim, dtype, seed=11)
     keys, values = pool.random_kv(LAST + 1)
     home, copy = pool.add(keys, values), pool.add(keys, values)
     q_all = torch.randn(LAST + 1, heads, head_dim, generator=pool.gen).to(dtype)
@@ -227,6 +298,11 @@ def _target_variants(dtype: torch.dtype) -> tuple[Pool, list[Variant]]:
 
     variants = [
         ([target(home, FIRST, LAST)], [(0, FIRST)]),
+        # A fresh prompt's first chunk, and a chunk from a tile boundary: the kernel reads such
+        # chunks' keys in whole tiles from the step's own K/V when it has them.
+        ([target(copy, 0, 299), other(60, 1)], [(0, 0)]),
+        ([other(40, 40), target(home, 768, MID - 1)], [(1, 768)]),
+        ([target(copy if p % 2 else home, p, p) for p in EDGES], [(i, p) for i, p in enumerate(EDGES)]),
         ([other(SPLIT + 300, 1), other(100, 30), target(copy, FIRST, LAST), other(50, 1)], [(2, FIRST)]),
         ([other(20, 3), target(home, FIRST, MID - 1)], [(1, FIRST)]),
         ([target(copy, MID, LAST), other(SPLIT + 40, 9)], [(0, MID)]),
@@ -258,17 +334,24 @@ def test_canonical_rows_are_bit_identical_in_any_batch(dtype: torch.dtype, impl:
     pool, variants = _target_variants(dtype)
     scale = 0.125
     results: dict[int, list[torch.Tensor]] = {}
-    for seqs, targets in variants:
+    # The Triton kernel also reads prompt chunks' own keys from the step's K/V (aligned or not,
+    # by turns) instead of the cache: their rows keep the bits of lone decode rows, which read
+    # the cache.
+    for i, (seqs, targets) in enumerate(variants):
         batch = make_batch(seqs)
         if impl == "triton":
-            out = attention.paged_attention(*batch.args(pool), scale, canonical=True)
+            prompt = max(len(q) for _, _, q in seqs) > 1
+            outs = [
+                attention.paged_attention(*batch.args(pool), scale, canonical=True, **batch.new_kv(pool, layout))
+                for layout in ((None, ("fused", "strided")[i % 2]) if prompt else (None,))
+            ]
         else:  # the CPU backend's schedule: its batched matmuls keep their bits on the CPU only
-            out = paged_attention_canonical_ref(*(t.cpu() for t in batch.args(pool)), scale)
+            outs = [paged_attention_canonical_ref(*(t.cpu() for t in batch.args(pool)), scale)]
         starts = batch.query_start_loc.tolist()
         for s, first in targets:
             for i in range(starts[s], starts[s + 1]):
-                results.setdefault(first + i - starts[s], []).append(out[i])
-    assert {p for p, outs in results.items() if len(outs) > 1} >= {FIRST, MID - 1, MID, SPLIT, LAST}
+                results.setdefault(first + i - starts[s], []).extend(out[i] for out in outs)
+    assert {p for p, outs in results.items() if len(outs) > 1} >= {FIRST, MID - 1, MID, SPLIT, LAST, *EDGES}
     for pos, outs in results.items():
         for other in outs[1:]:
             assert torch.equal(outs[0], other), f"position {pos} changed bits with the batch"

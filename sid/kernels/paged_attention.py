@@ -33,18 +33,35 @@ programs: the spread (``group``) is free to follow the batch.
 When both schedules have the same block shape (decode-only steps), one launch serves a mixed
 batch; otherwise the two launch one after the other, each skipping the other's sequences.
 
+Steps with prompt rows (the prefill work):
+
+* Keys come from two places. The cache holds every key, the step's own already stored; a
+  sequence's keys before its first query row (its cached prefix) are gathered through the
+  block table, and when the caller passes the step's own ``k``/``v`` the keys from that row
+  on are read from them, whole tiles of consecutive rows (TMA descriptor loads in the fast
+  schedule on sm_90 and later). The values are the cache's, so nothing changes but the loads.
+* Causal block skipping: the tiles every row of a query block sees whole run without the
+  mask; only the one or two diagonal tiles apply it. A mask that hides nothing is an identity,
+  and the canonical arithmetic rounds each score on its own (``_rounded_product``) so that the
+  compiler cannot fuse it differently in the two kinds of tile: a row keeps its bits.
+* The fast schedule gives each program one split, so a program carries one softmax state
+  (not a split's beside its fold), and folds the scale into the exponent's FMA.
+
 Floor: decode attention is memory-bound; a step cannot beat
 ``(K + V bytes read + Q bytes read + O bytes written) / HBM bandwidth``, i.e. per sequence
 ``2 * seq_len * kv_heads * head_dim * cache bytes`` plus ``2 * q_rows * heads * head_dim *
 q bytes``, over ~3.7 TB/s on the H200 (Llama-3.1-8B, bf16, 8192 keys: 32 MiB, ~9 us per
 sequence and layer). Split-KV partials add ``q_rows * heads * splits * (head_dim + 2) * 8``
-bytes. Prefill is bound by its FLOPs, ``4 * q_rows * heads * head_dim * keys / 2`` (causal),
-over the measured bf16 matmul rate (~790 TFLOP/s). Measured on the H200 before per-sequence
-schedules (benchmarks/attention.py, CUDA graphs, 2026-11-29): the fast schedule reaches
+bytes. Prefill is bound by its FLOPs, per sequence ``4 * heads * head_dim * (chunk * prefix +
+chunk * (chunk + 1) / 2)`` (a chunk of ``chunk`` rows after ``prefix`` cached keys, causal),
+over the measured bf16 matmul rate (~790 TFLOP/s; 693-765 in other runs): 8 x 2048 with
+Llama-3.1-8B's heads is 2.75e11 FLOP, 0.35 ms a layer at 790. Measured on the H200 before
+per-sequence schedules (benchmarks/attention.py, CUDA graphs, 2026-11-29): the fast schedule reaches
 0.9-1.0 of the floor from 32 x 8192 or 128 x 2048 (batch x context) up, the canonical one
 0.80-0.86 (Llama-3.1-8B, GQA 4) and 0.66-0.68 (Qwen3-0.6B, GQA 2); single-digit batches are
-latency-bound (16-50 us per layer). Prefill (8 x 2048) runs at ~225 TFLOP/s fast and ~120
-canonical, a third of the bf16 matmul rate or less.
+latency-bound (16-50 us per layer). Prefill before the chunk's own keys were read contiguously
+and the visible tiles unmasked (2026-12-01, 16-call graphs): 8 x 2048 at 202 TFLOP/s fast and
+109 canonical, 2 x 8192 at 242 / 124, 1 x 32768 at 259 / 129, 0.29-0.37 of the matmul rate fast.
 """
 
 from __future__ import annotations
@@ -56,6 +73,7 @@ import torch
 import triton
 import triton.language as tl
 from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 CANONICAL_CONFIG: dict[str, int] = {
     "block_m": 16,
@@ -79,6 +97,17 @@ schedule; 64 is twice as slow there). The split is short so that one long sequen
 over the multiprocessors (32k keys: 64 splits per KV head); how many splits one program
 folds is chosen from the batch, so a full batch pays no partials for it.
 """
+
+FAST_PREFILL_CONFIG: dict[str, int] = {
+    "block_m": 128,
+    "kv_tile": 64,
+    "num_warps": 8,
+    "num_stages": 3,
+}
+"""Launch constants of the fast schedule in steps with prompt rows (``block_m`` is raised to
+the GQA group's power of two when larger). 128-row blocks of 64-key tiles on 8 warps were the
+quickest shape on the H200 before the chunk's own keys were read contiguously (8 x 2k: 1.37 ms
+against 1.51 for 128-key tiles, 2.38 for 4 warps)."""
 
 _COMBINE_NUM_WARPS = 4
 _COMBINE_PREFETCH = 8
@@ -133,11 +162,15 @@ class _Schedule(NamedTuple):
     num_warps: int
     num_stages: int
     group: int = 1
+    prompt: bool = False
+    """The step has prompt rows: tiles every row of a block sees whole skip the causal mask."""
+    fast_prefill: bool = False
+    """Fast schedule with prompt rows: one split per program, the scale folded into the exponent."""
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
+    def shape(self) -> tuple[int, int, int, int, bool, bool]:
         """What the compiled kernel depends on: schedules of one shape can share a launch."""
-        return self.block_m, self.kv_tile, self.num_warps, self.num_stages
+        return self.block_m, self.kv_tile, self.num_warps, self.num_stages, self.prompt, self.fast_prefill
 
 
 @triton.jit
@@ -217,6 +250,205 @@ def _sequence_schedule(canonical_ptr, seq, serve, fast_split, canonical_split, c
     return served, split_size, group
 
 
+@triton.jit
+def _rounded_product(x, y, INTERPRET: tl.constexpr):
+    """``x * y`` rounded on its own. A plain product may be fused into the subtraction that
+    follows it (one rounding instead of two) where no mask stands between them, so a fully
+    visible tile would give a row other bits than a masked one; ``mul.rn`` is never fused."""
+    if INTERPRET:
+        return x * y
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, y], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _softmax_step(
+    q,
+    k,
+    v,
+    keys,
+    pos,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    MASKED: tl.constexpr,
+    FAST_PREFILL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Fold one tile of keys (``k`` ``[DIM, TILE]``, ``v`` ``[TILE, DIM]``) into the rows' online
+    softmax. ``MASKED``: the causal mask, needed only on tiles some row of the block cannot
+    see whole. The fast prefill schedule folds the scale into the exponent (one FMA a score);
+    every other launch keeps the canonical arithmetic, which a mask that hides nothing leaves
+    bit for bit the same."""
+    precision: tl.constexpr = "ieee" if DOT_DTYPE == tl.float32 else "tf32"
+    s = tl.dot(q, k.to(DOT_DTYPE), input_precision=precision)
+    if FAST_PREFILL:
+        if MASKED:
+            s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        # A row with no key yet (a split past it) keeps an empty state: no NaN from -inf - -inf.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * qk_scale - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+    else:
+        s = _rounded_product(s, qk_scale, INTERPRET)
+        if MASKED:
+            s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Forced to exactly 1 when the max is unchanged (e.g. a tile past the row's position).
+        alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
+        # A row with no key yet in this split (a later split of a short row that split 0's
+        # program folds) keeps an empty state: no NaN from -inf - -inf.
+        p = tl.exp2(s - tl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=precision)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _cache_addresses(table, k_cache_ptr, v_cache_ptr, keys, key_ok, kv_head, dims, kc, vc, BLOCK_SIZE: tl.constexpr):
+    """Addresses of K ``[DIM, TILE]`` and V ``[TILE, DIM]`` of ``keys`` in the paged cache
+    (``kc``/``vc``: its strides); block-table entries are read where ``key_ok`` (None: all)."""
+    if key_ok is None:
+        block = tl.load(table + keys // BLOCK_SIZE).to(tl.int64)
+    else:
+        block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    offset = keys % BLOCK_SIZE
+    k_at = k_cache_ptr + block[None, :] * kc[0] + offset[None, :] * kc[1] + kv_head * kc[2] + dims[:, None] * kc[3]
+    v_at = v_cache_ptr + block[:, None] * vc[0] + offset[:, None] * vc[1] + kv_head * vc[2] + dims[None, :] * vc[3]
+    return k_at, v_at
+
+
+@triton.jit
+def _new_addresses(k_ptr, v_ptr, rows, kv_head, dims, nk, nv):
+    """Addresses of K ``[DIM, TILE]`` and V ``[TILE, DIM]`` of flat ``rows`` of the pass's own K/V."""
+    rows = rows.to(tl.int64)
+    k_at = k_ptr + rows[None, :] * nk[0] + kv_head * nk[1] + dims[:, None] * nk[2]
+    v_at = v_ptr + rows[:, None] * nv[0] + kv_head * nv[1] + dims[None, :] * nv[2]
+    return k_at, v_at
+
+
+@triton.jit
+def _mixed_tile(
+    table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, keys, kv_stop, first_new, new_row0, kv_head, dims, dim_ok,
+    kc, vc, nk, nv, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """K and V of a tile that may hold keys of both kinds: those before ``first_new`` from the
+    cache, the pass's own from ``k``/``v`` (flat row ``new_row0 + key - first_new``), one load
+    each with the address chosen per key; 0 from ``kv_stop`` on."""
+    key_ok = keys < kv_stop
+    cached = keys < first_new
+    k_at, v_at = _cache_addresses(
+        table, k_cache_ptr, v_cache_ptr, keys, key_ok & cached, kv_head, dims, kc, vc, BLOCK_SIZE
+    )
+    if k_ptr is not None:
+        k_new, v_new = _new_addresses(k_ptr, v_ptr, new_row0 + keys - first_new, kv_head, dims, nk, nv)
+        k_at = tl.where(cached[None, :], k_at, k_new)
+        v_at = tl.where(cached[:, None], v_at, v_new)
+    k = tl.load(k_at, mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+    v = tl.load(v_at, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _new_tile(
+    k_ptr, v_ptr, k_desc, v_desc, row, kv_head, dims, dim_ok, nk, nv, TILE: tl.constexpr, HEAD_DIM: tl.constexpr
+):  # fmt: skip
+    """K and V of ``TILE`` consecutive new tokens from flat row ``row`` of ``k``/``v``: tensor
+    memory accelerator loads through the descriptors where the launch has them, plain loads
+    of the same values otherwise."""
+    if k_desc is not None:
+        k = k_desc.load([row, kv_head * HEAD_DIM]).T
+        v = v_desc.load([row, kv_head * HEAD_DIM])
+    else:
+        k_at, v_at = _new_addresses(k_ptr, v_ptr, row + tl.arange(0, TILE), kv_head, dims, nk, nv)
+        k = tl.load(k_at, mask=dim_ok[:, None], other=0.0)
+        v = tl.load(v_at, mask=dim_ok[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_split(
+    q, pos, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, split_start, kv_stop, visible, first_new,
+    new_row0, kv_head, dims, dim_ok, qk_scale, kc, vc, nk, nv,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, FAST_PREFILL: tl.constexpr, PROMPT: tl.constexpr, STAGES: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over one split's keys ``[split_start, kv_stop)`` from a fresh state, in
+    increasing tile order. In launches with prompt rows (``PROMPT``), tiles every row of the
+    block sees whole (keys below ``visible``) run unmasked: those before ``first_new``
+    gathered from the cache, then a tile holding keys of both kinds, then the pass's own keys
+    read straight from ``k``/``v``. The tiles left (all of them in decode launches, which keep
+    one loop: a decode row's keys are nearly all of one kind) load per key and apply the
+    causal mask."""
+    # Elsewhere the loop over the pass's own keys runs one stage fewer than the launch: the
+    # cache loop's loads wait on its block-table loads, so both then hold as many buffers,
+    # and two 4-warp canonical programs still share a multiprocessor (82 KB of shared memory
+    # each; 147 KB at the launch's depth). A fast prefill program fills a multiprocessor with
+    # its registers alone, so its loop keeps the launch's depth. The diagonal tiles of a
+    # prompt block are one or two: not pipelined, which keeps their registers down.
+    new_stages: tl.constexpr = STAGES if FAST_PREFILL else (STAGES - 1 if STAGES > 1 else 1)
+    masked_stages: tl.constexpr = 1 if PROMPT else STAGES
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM], tl.float32)
+    masked_start = split_start
+    if PROMPT:
+        masked_start = tl.maximum(tl.minimum(kv_stop, visible // TILE * TILE), split_start)
+        cache_end = tl.minimum(tl.maximum(first_new // TILE * TILE, split_start), masked_start)
+        for tile_start in range(split_start, cache_end, TILE):
+            keys = tile_start + tl.arange(0, TILE)
+            k_at, v_at = _cache_addresses(
+                table, k_cache_ptr, v_cache_ptr, keys, None, kv_head, dims, kc, vc, BLOCK_SIZE
+            )
+            k = tl.load(k_at, mask=dim_ok[:, None], other=0.0)
+            v = tl.load(v_at, mask=dim_ok[None, :], other=0.0)
+            m_i, l_i, acc = _softmax_step(
+                q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, DOT_DTYPE, INTERPRET
+            )
+        if k_ptr is not None:
+            new_start = tl.minimum(tl.maximum(tl.cdiv(first_new, TILE) * TILE, cache_end), masked_start)
+            for tile_start in tl.range(cache_end, new_start, TILE, num_stages=1):
+                keys = tile_start + tl.arange(0, TILE)
+                k, v = _mixed_tile(
+                    table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, keys, kv_stop, first_new, new_row0, kv_head, dims,
+                    dim_ok, kc, vc, nk, nv, BLOCK_SIZE,
+                )
+                m_i, l_i, acc = _softmax_step(
+                    q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, DOT_DTYPE, INTERPRET
+                )
+            for tile_start in tl.range(new_start, masked_start, TILE, num_stages=new_stages):
+                keys = tile_start + tl.arange(0, TILE)
+                k, v = _new_tile(
+                    k_ptr, v_ptr, k_desc, v_desc, new_row0 + tile_start - first_new, kv_head, dims, dim_ok, nk, nv,
+                    TILE, HEAD_DIM,
+                )
+                m_i, l_i, acc = _softmax_step(
+                    q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, DOT_DTYPE, INTERPRET
+                )
+    for tile_start in tl.range(masked_start, kv_stop, TILE, num_stages=masked_stages):
+        keys = tile_start + tl.arange(0, TILE)
+        k, v = _mixed_tile(
+            table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, keys, kv_stop, first_new, new_row0, kv_head, dims, dim_ok,
+            kc, vc, nk, nv, BLOCK_SIZE,
+        )
+        m_i, l_i, acc = _softmax_step(
+            q, k, v, keys, pos, m_i, l_i, acc, qk_scale, True, FAST_PREFILL, DOT_DTYPE, INTERPRET
+        )
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_partial(partials, at, rows, m_i, l_i, acc, dims, dim_ok, DIM: tl.constexpr):
+    """A split state of ``rows`` into partial slot ``at`` (flat index) of ``partials`` (acc,
+    max, sum), for the combine kernel."""
+    tl.store(partials[1] + at, m_i, mask=rows)
+    tl.store(partials[2] + at, l_i, mask=rows)
+    tl.store(partials[0] + at[:, None] * DIM + dims[None, :], acc, mask=rows[:, None] & dim_ok[None, :])
+
+
 @triton.jit(
     do_not_specialize=["num_seqs", "serve", "fast_split", "canonical_split", "canonical_group", "num_slots", "stride_bt"]
 )
@@ -224,6 +456,10 @@ def _attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_ptr,
+    v_ptr,
+    k_desc,
+    v_desc,
     out_ptr,
     part_acc_ptr,
     part_max_ptr,
@@ -253,6 +489,12 @@ def _attention_kernel(
     stride_vs,
     stride_vh,
     stride_vd,
+    stride_nkt,
+    stride_nkh,
+    stride_nkd,
+    stride_nvt,
+    stride_nvh,
+    stride_nvd,
     stride_bt,
     BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
@@ -262,8 +504,17 @@ def _attention_kernel(
     HEAD_DIM: tl.constexpr,
     DIM: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    FAST_PREFILL: tl.constexpr,
+    PROMPT: tl.constexpr,
+    STAGES: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    """Online-softmax attention of one query block over its ``group`` splits (see the module doc)."""
+    """Online-softmax attention of one query block over its ``group`` splits (see the module doc).
+
+    ``k_ptr``/``v_ptr`` (None: every key from the cache) are the pass's own keys and values,
+    ``k_desc``/``v_desc`` (None: plain loads) TMA descriptors over them. ``FAST_PREFILL``: a
+    fast launch with prompt rows, one split per program, so no fold state beside the split's.
+    """
     seq, done, token, head, valid, pos, last_pos = _block_rows(
         query_start_loc_ptr, seq_lens_ptr, num_seqs, GROUP, BLOCK_M, BLOCK_Q
     )
@@ -285,61 +536,49 @@ def _attention_kernel(
         other=0.0,
     )
     q = q.to(DOT_DTYPE)
-    precision: tl.constexpr = "ieee" if DOT_DTYPE == tl.float32 else "tf32"
+    q_start = tl.load(query_start_loc_ptr + seq)
+    first_query = tl.load(seq_lens_ptr + seq) - tl.load(query_start_loc_ptr + seq + 1) + q_start
+    # Keys below ``visible`` are seen by every row of the block (rows sit at positions from
+    # the block's first one or the sequence's first query on), so their tiles need no mask.
+    visible = tl.maximum(last_pos // BLOCK_Q * BLOCK_Q, first_query) + 1
+    if k_ptr is not None:
+        first_new = first_query
+    else:
+        first_new = last_pos + 1
+    kc = (stride_kb, stride_ks, stride_kh, stride_kd)
+    vc = (stride_vb, stride_vs, stride_vh, stride_vd)
+    nk = (stride_nkt, stride_nkh, stride_nkd)
+    nv = (stride_nvt, stride_nvh, stride_nvd)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    partials = (part_acc_ptr, part_max_ptr, part_sum_ptr)
     part = (token * tl.num_programs(1) * GROUP + head) * num_slots
-    m_f = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_f = tl.zeros([BLOCK_M], tl.float32)
-    acc_f = tl.zeros([BLOCK_M, DIM], tl.float32)
-    for split in range(first, stop):
-        split_start = split * split_size
-        kv_stop = tl.minimum(split_start + split_size, last_pos + 1)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, DIM], tl.float32)
-        for tile_start in range(split_start, kv_stop, TILE):
-            keys = tile_start + tl.arange(0, TILE)
-            key_ok = keys < kv_stop
-            block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-            offset = keys % BLOCK_SIZE
-            k = tl.load(
-                k_cache_ptr
-                + block[None, :] * stride_kb
-                + offset[None, :] * stride_ks
-                + kv_head * stride_kh
-                + dims[:, None] * stride_kd,
-                mask=key_ok[None, :] & dim_ok[:, None],
-                other=0.0,
-            )
-            v = tl.load(
-                v_cache_ptr
-                + block[:, None] * stride_vb
-                + offset[:, None] * stride_vs
-                + kv_head * stride_vh
-                + dims[None, :] * stride_vd,
-                mask=key_ok[:, None] & dim_ok[None, :],
-                other=0.0,
-            )
-            s = tl.dot(q, k.to(DOT_DTYPE), input_precision=precision) * qk_scale
-            s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # Forced to exactly 1 when the max is unchanged (e.g. a tile past the row's position).
-            alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
-            # A row with no key yet in this split (a later split of a short row that split 0's
-            # program folds) keeps an empty state: no NaN from -inf - -inf.
-            p = tl.exp2(s - tl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=precision)
-            m_i = m_new
-        if first == 0:
-            m_f, l_f, acc_f = _merge(m_f, l_f, acc_f, m_i, l_i, acc)
-        else:
-            reach = valid & (pos >= split_start)
-            tl.store(part_max_ptr + part + split, m_i, mask=reach)
-            tl.store(part_sum_ptr + part + split, l_i, mask=reach)
-            tl.store(
-                part_acc_ptr + (part + split)[:, None] * DIM + dims[None, :], acc, mask=reach[:, None] & dim_ok[None, :]
-            )
+    if FAST_PREFILL:
+        m_f, l_f, acc_f = _attend_split(
+            q, pos, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, first * split_size,
+            tl.minimum(first * split_size + split_size, last_pos + 1), visible, first_new, q_start, kv_head, dims,
+            dim_ok, qk_scale, kc, vc, nk, nv, BLOCK_SIZE, BLOCK_M, TILE, HEAD_DIM, DIM, DOT_DTYPE, FAST_PREFILL,
+            PROMPT, STAGES, INTERPRET,
+        )  # fmt: skip
+        if first > 0:
+            reach = valid & (pos >= first * split_size)
+            _store_partial(partials, part + first, reach, m_f, l_f, acc_f, dims, dim_ok, DIM)
+    else:
+        m_f = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_f = tl.zeros([BLOCK_M], tl.float32)
+        acc_f = tl.zeros([BLOCK_M, DIM], tl.float32)
+        for split in range(first, stop):
+            split_start = split * split_size
+            m_i, l_i, acc = _attend_split(
+                q, pos, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, split_start,
+                tl.minimum(split_start + split_size, last_pos + 1), visible, first_new, q_start, kv_head, dims,
+                dim_ok, qk_scale, kc, vc, nk, nv, BLOCK_SIZE, BLOCK_M, TILE, HEAD_DIM, DIM, DOT_DTYPE, FAST_PREFILL,
+                PROMPT, STAGES, INTERPRET,
+            )  # fmt: skip
+            if first == 0:
+                m_f, l_f, acc_f = _merge(m_f, l_f, acc_f, m_i, l_i, acc)
+            else:
+                reach = valid & (pos >= split_start)
+                _store_partial(partials, part + split, reach, m_i, l_i, acc, dims, dim_ok, DIM)
     if first == 0:
         complete = pos // split_size < stop
         tl.store(
@@ -348,10 +587,7 @@ def _attention_kernel(
             mask=(valid & complete)[:, None] & dim_ok[None, :],
         )
         # Rows with splits beyond this program leave their fold so far in slot 0.
-        partial = valid & ~complete
-        tl.store(part_max_ptr + part, m_f, mask=partial)
-        tl.store(part_sum_ptr + part, l_f, mask=partial)
-        tl.store(part_acc_ptr + part[:, None] * DIM + dims[None, :], acc_f, mask=partial[:, None] & dim_ok[None, :])
+        _store_partial(partials, part, valid & ~complete, m_f, l_f, acc_f, dims, dim_ok, DIM)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "serve", "fast_split", "canonical_split", "canonical_group", "num_slots"])
@@ -450,6 +686,33 @@ def _uniform_flags(device: torch.device, canonical: bool, length: int) -> torch.
     return torch.full((length,), int(canonical), dtype=torch.int32, device=device)
 
 
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    """Tensor memory accelerator: sm_90 and later; the interpreter runs descriptor loads too."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 9
+    return knobs.runtime.interpret
+
+
+def _tensor_descriptors(
+    k: torch.Tensor, v: torch.Tensor, tile: int, head_dim: int
+) -> tuple[TensorDescriptor, TensorDescriptor] | tuple[None, None]:
+    """TMA descriptors of one tile of one KV head of the pass's own K/V, seen as ``[tokens,
+    kv_heads * head_dim]``; (None, None) where the device or the layout rules them out (a
+    head_dim that is not the kernel's padded one, heads or dimensions not contiguous, rows not
+    16-byte aligned)."""
+    if not _has_tma(k.device) or head_dim != max(16, triton.next_power_of_2(head_dim)):
+        return None, None
+    descriptors = []
+    for t in (k, v):
+        rows, heads, dim = t.shape
+        aligned = t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+        if not aligned or t.stride(2) != 1 or t.stride(1) != dim:
+            return None, None
+        descriptors.append(TensorDescriptor(t, [rows, heads * dim], [t.stride(0), 1], [tile, head_dim]))
+    return descriptors[0], descriptors[1]
+
+
 def _target_programs(device: torch.device) -> int:
     return _PROGRAMS_PER_SM * _num_sms(device)
 
@@ -476,6 +739,7 @@ def _canonical_schedule(
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         group=triton.cdiv(splits, spread),
+        prompt=max_query_len > 1,
     )
 
 
@@ -491,14 +755,18 @@ def _fast_schedule(
     """Fastest launch for this batch (tuned on the H200, Llama-3.1-8B shapes): small query
     blocks and long tiles for decode-only steps, big blocks for prefill, and split-KV when the
     grid would leave multiprocessors idle."""
+    cfg = FAST_PREFILL_CONFIG
     if max_query_len == 1:
         block_m, kv_tile, num_warps = max(16, triton.next_power_of_2(group)), 128, 4
     else:
-        block_m, kv_tile, num_warps = max(128, triton.next_power_of_2(group)), 64, 8
+        block_m = max(cfg["block_m"], triton.next_power_of_2(group))
+        kv_tile, num_warps = cfg["kv_tile"], cfg["num_warps"]
     programs = _query_blocks(num_tokens, num_seqs, max_query_len, block_m // group) * num_kv_heads
     splits = max(1, min(triton.cdiv(_target_programs(device), programs), max_seq_len // _FAST_MIN_SPLIT_KEYS, _FAST_MAX_SPLITS))
     split_size = triton.cdiv(triton.cdiv(max_seq_len, splits), kv_tile) * kv_tile
-    return _Schedule(block_m, kv_tile, split_size, num_warps, num_stages=3)
+    if max_query_len == 1:
+        return _Schedule(block_m, kv_tile, split_size, num_warps, num_stages=3)
+    return _Schedule(block_m, kv_tile, split_size, num_warps, cfg["num_stages"], prompt=True, fast_prefill=True)
 
 
 def paged_attention(
@@ -515,6 +783,8 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     schedules: tuple[bool, bool] | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen paged attention of ``q`` ``[N, heads, head_dim]`` over the cache.
 
@@ -524,6 +794,11 @@ def paged_attention(
     ``schedules`` = (any fast sequence, any canonical one) saves a launch; None means both may
     be present. ``max_query_len`` / ``max_seq_len`` are host copies of the batch maxima; pass
     them to keep the launch free of device syncs. Returns ``out`` (allocated if None).
+
+    ``k``/``v`` ``[N, kv_heads, head_dim]`` (any strides, the cache's dtype) are this pass's
+    own keys and values, already stored in the cache: given, a sequence's keys from its first
+    query row on are read from them, contiguous, instead of gathered through the block table
+    (the same values, so the same result). Decode-only steps ignore them: one key a row.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -537,6 +812,10 @@ def paged_attention(
         max_seq_len = int(seq_lens.max())
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if k is None or v is None or max_query_len == 1:
+        k = v = None
+    else:
+        assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, "k/v must have the cache's dtype"
     if isinstance(canonical, torch.Tensor):
         flags, (any_fast, any_canonical) = canonical, schedules or (True, True)
     else:
@@ -556,7 +835,7 @@ def paged_attention(
     else:
         part_acc = part_max = part_sum = _unused_partials(q.device)
     args = (
-        q, k_cache, v_cache, out, part_acc, part_max, part_sum, block_tables, seq_lens, query_start_loc, flags,
+        q, k_cache, v_cache, k, v, out, part_acc, part_max, part_sum, block_tables, seq_lens, query_start_loc, flags,
         fast.split_size if fast is not None else 1, canon.split_size if canon is not None else 1,
         canon.group if canon is not None else 1, slots, scale, block_size, group, head_dim,
     )
@@ -575,6 +854,8 @@ def _launch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     out: torch.Tensor,
     part_acc: torch.Tensor,
     part_max: torch.Tensor,
@@ -602,10 +883,20 @@ def _launch(
     block_q = sched.block_m // group
     dim = max(16, triton.next_power_of_2(head_dim))
     grid = (num_tokens // block_q + 2 * num_seqs, num_kv_heads)
+    # Descriptors serve the fast prefill's wgmma. The canonical schedule's mma.sync takes its
+    # operands through registers, which are short there already: with descriptors its 32-row
+    # blocks spilled 372 bytes a thread, with plain loads 124 (ptxas, sm_90a, Triton 3.6).
+    use_tma = k is not None and sched.fast_prefill
+    k_desc, v_desc = _tensor_descriptors(k, v, sched.kv_tile, head_dim) if use_tma else (None, None)
+    new_strides = (*k.stride(), *v.stride()) if k is not None else (0,) * 6
     _attention_kernel[(*grid, programs)](
         q,
         k_cache,
         v_cache,
+        k,
+        v,
+        k_desc,
+        v_desc,
         out,
         part_acc,
         part_max,
@@ -625,6 +916,7 @@ def _launch(
         *out.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
+        *new_strides,
         block_tables.stride(0),
         BLOCK_SIZE=block_size,
         GROUP=group,
@@ -634,6 +926,10 @@ def _launch(
         HEAD_DIM=head_dim,
         DIM=dim,
         DOT_DTYPE=_dot_dtype(q),
+        FAST_PREFILL=sched.fast_prefill,
+        PROMPT=sched.prompt,
+        STAGES=sched.num_stages,
+        INTERPRET=knobs.runtime.interpret,
         num_warps=sched.num_warps,
         num_stages=sched.num_stages,
     )

@@ -60,8 +60,17 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor: ...
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of the step's rows over the cache, which already holds this step's K/V;
+        ``k``/``v`` are those same keys and values, which a backend may read from instead."""
 
     @abstractmethod
     def canonical_config(self) -> dict[str, object]:
@@ -79,7 +88,14 @@ class TorchAttentionBackend(AttentionBackend):
         store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
     ) -> torch.Tensor:
         parts = meta.memo.get(self.name)
         if parts is None:
@@ -207,7 +223,7 @@ class PagedKVCache:
         meta = self.meta
         assert meta is not None, "attention metadata must be set before the forward pass"
         self.backend.store_kv(k, v, self.k[layer], self.v[layer], meta)
-        out = self.backend.attend(q, self.k[layer], self.v[layer], meta, self.scale)
+        out = self.backend.attend(q, self.k[layer], self.v[layer], meta, self.scale, k, v)
         if FAULTS.fast_attention_noise and meta.canonical is not True:
             fast = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
             if isinstance(meta.canonical, torch.Tensor):

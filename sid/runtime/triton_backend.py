@@ -18,8 +18,17 @@ class TritonAttentionBackend(AttentionBackend):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Prompt chunks read their own keys from ``k``/``v`` (contiguous rows), the cached
+        prefix through the block table."""
         return paged_attention(
             q,
             k_cache,
@@ -32,6 +41,8 @@ class TritonAttentionBackend(AttentionBackend):
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
             schedules=meta.schedules,
+            k=k,
+            v=v,
         )
 
     def canonical_config(self) -> dict[str, object]:
