@@ -77,25 +77,30 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 CANONICAL_CONFIG: dict[str, int] = {
     "block_m": 16,
-    "prefill_block_m": 32,
+    "prefill_block_m": 128,
     "kv_tile": 128,
     "kv_split": 512,
     "num_warps": 4,
+    "prefill_num_warps": 8,
     "num_stages": 3,
 }
 """Fixed launch constants of the canonical schedule; part of the numerics fingerprint.
 
 ``block_m`` is raised to the next power of two of the GQA group when the group is larger
 (a function of the model, never of the batch). A step with prompt rows (a query longer than
-one token) takes ``prefill_block_m`` instead, 1.5x quicker there: with 4 warps both shapes
-multiply on the same matrix instructions (mma.sync; 64 rows and more take wgmma, whose rows
-round differently) and gave every row the same bits on the H200, which the kernel tests and
-the start-up self-test check, since a row may be computed in either. Tiles sit at multiples of ``kv_tile``
-absolute positions, split boundaries at multiples of ``kv_split``. The block shape was chosen
-on the H200 by ``benchmarks/canonical_sweep.py`` (block_m 16 decodes as fast as the fast
-schedule; 64 is twice as slow there). The split is short so that one long sequence spreads
-over the multiprocessors (32k keys: 64 splits per KV head); how many splits one program
-folds is chosen from the batch, so a full batch pays no partials for it.
+one token) takes ``prefill_block_m`` rows on ``prefill_num_warps`` warps instead: 128-row
+blocks multiply on wgmma where 16-row decode blocks take mma.sync, and a row gets the same
+bits from both because the only sum whose order the block shape could change, a row's sum of
+its weights, is taken on the matrix unit too (``_row_sum``; with ``tl.sum`` one row in ~40
+moved by a bf16 ulp between the two). Measured on the H200 (2026-12-01): every position of a
+4,096-token prompt, GQA 4 and 2, the same bits as a 128-row prompt block, in two chunks, and
+as a lone decode row; 1 x 32k prefill 32.3 ms a layer against 57.8 in 32-row blocks. The
+kernel tests and the start-up self-test check it on every machine. Tiles sit at multiples of
+``kv_tile`` absolute positions, split boundaries at multiples of ``kv_split``. The decode
+block shape was chosen on the H200 by ``benchmarks/canonical_sweep.py`` (block_m 16 decodes
+as fast as the fast schedule; 64 rows on wgmma decode 1.5-2.3x slower). The split is short so
+that one long sequence spreads over the multiprocessors (32k keys: 64 splits per KV head); how
+many splits one program folds is chosen from the batch, so a full batch pays no partials for it.
 """
 
 FAST_PREFILL_CONFIG: dict[str, int] = {
@@ -242,12 +247,12 @@ def _merge(m_i, l_i, acc, m_s, l_s, acc_s):
 
 @triton.jit
 def _sequence_schedule(canonical_ptr, seq, serve, fast_split, canonical_split, canonical_group):
-    """(served by this launch, split size, splits per program) of sequence ``seq``."""
+    """(canonical, served by this launch, split size, splits per program) of sequence ``seq``."""
     canonical = tl.load(canonical_ptr + seq) != 0
     served = (serve & tl.where(canonical, 2, 1)) != 0
     split_size = tl.where(canonical, canonical_split, fast_split)
     group = tl.where(canonical, canonical_group, 1)
-    return served, split_size, group
+    return canonical, served, split_size, group
 
 
 @triton.jit
@@ -258,6 +263,18 @@ def _rounded_product(x, y, INTERPRET: tl.constexpr):
     if INTERPRET:
         return x * y
     return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, y], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _row_sum(weights, precision: tl.constexpr):
+    """Each row's sum of ``weights``, on the matrix unit (a product with a block of ones). A
+    ``tl.sum`` adds in an order set by how the block's layout spreads a row over threads,
+    which differs between block shapes; the matrix unit adds a row's products in the same
+    order in every shape, as it does for the weighted values. Its columns are equal, so their
+    maximum is the sum. Costs a decode row 5-10 % of its attention time (H200): fast decode
+    rows keep ``tl.sum``."""
+    ones = tl.full([weights.shape[1], 16], 1.0, weights.dtype)
+    return tl.max(tl.dot(weights, ones, input_precision=precision), 1)
 
 
 @triton.jit
@@ -273,6 +290,7 @@ def _softmax_step(
     qk_scale,
     MASKED: tl.constexpr,
     FAST_PREFILL: tl.constexpr,
+    MATRIX_SUM: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -301,8 +319,12 @@ def _softmax_step(
         # A row with no key yet in this split (a later split of a short row that split 0's
         # program folds) keeps an empty state: no NaN from -inf - -inf.
         p = tl.exp2(s - tl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=precision)
+    weights = p.to(DOT_DTYPE)
+    if MATRIX_SUM:
+        l_i = l_i * alpha + _row_sum(weights, precision)
+    else:
+        l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(weights, v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=precision)
     return m_new, l_i, acc
 
 
@@ -373,8 +395,8 @@ def _attend_split(
     q, pos, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, split_start, kv_stop, visible, first_new,
     new_row0, kv_head, dims, dim_ok, qk_scale, kc, vc, nk, nv,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, FAST_PREFILL: tl.constexpr, PROMPT: tl.constexpr, STAGES: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, FAST_PREFILL: tl.constexpr, MATRIX_SUM: tl.constexpr, PROMPT: tl.constexpr,
+    STAGES: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over one split's keys ``[split_start, kv_stop)`` from a fresh state, in
     increasing tile order. In launches with prompt rows (``PROMPT``), tiles every row of the
@@ -406,7 +428,7 @@ def _attend_split(
             k = tl.load(k_at, mask=dim_ok[:, None], other=0.0)
             v = tl.load(v_at, mask=dim_ok[None, :], other=0.0)
             m_i, l_i, acc = _softmax_step(
-                q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, DOT_DTYPE, INTERPRET
+                q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
             )
         if k_ptr is not None:
             new_start = tl.minimum(tl.maximum(tl.cdiv(first_new, TILE) * TILE, cache_end), masked_start)
@@ -417,7 +439,7 @@ def _attend_split(
                     dim_ok, kc, vc, nk, nv, BLOCK_SIZE,
                 )
                 m_i, l_i, acc = _softmax_step(
-                    q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, DOT_DTYPE, INTERPRET
+                    q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
                 )
             for tile_start in tl.range(new_start, masked_start, TILE, num_stages=new_stages):
                 keys = tile_start + tl.arange(0, TILE)
@@ -426,7 +448,7 @@ def _attend_split(
                     TILE, HEAD_DIM,
                 )
                 m_i, l_i, acc = _softmax_step(
-                    q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, DOT_DTYPE, INTERPRET
+                    q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
                 )
     for tile_start in tl.range(masked_start, kv_stop, TILE, num_stages=masked_stages):
         keys = tile_start + tl.arange(0, TILE)
@@ -435,7 +457,7 @@ def _attend_split(
             kc, vc, nk, nv, BLOCK_SIZE,
         )
         m_i, l_i, acc = _softmax_step(
-            q, k, v, keys, pos, m_i, l_i, acc, qk_scale, True, FAST_PREFILL, DOT_DTYPE, INTERPRET
+            q, k, v, keys, pos, m_i, l_i, acc, qk_scale, True, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
         )
     return m_i, l_i, acc
 
@@ -520,7 +542,7 @@ def _attention_kernel(
     )
     if done:
         return
-    served, split_size, group = _sequence_schedule(
+    canonical, served, split_size, group = _sequence_schedule(
         canonical_ptr, seq, serve, fast_split, canonical_split, canonical_group
     )
     first = tl.program_id(2) * group
@@ -556,7 +578,7 @@ def _attention_kernel(
         m_f, l_f, acc_f = _attend_split(
             q, pos, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, first * split_size,
             tl.minimum(first * split_size + split_size, last_pos + 1), visible, first_new, q_start, kv_head, dims,
-            dim_ok, qk_scale, kc, vc, nk, nv, BLOCK_SIZE, BLOCK_M, TILE, HEAD_DIM, DIM, DOT_DTYPE, FAST_PREFILL,
+            dim_ok, qk_scale, kc, vc, nk, nv, BLOCK_SIZE, BLOCK_M, TILE, HEAD_DIM, DIM, DOT_DTYPE, True, False,
             PROMPT, STAGES, INTERPRET,
         )  # fmt: skip
         if first > 0:
@@ -568,12 +590,28 @@ def _attention_kernel(
         acc_f = tl.zeros([BLOCK_M, DIM], tl.float32)
         for split in range(first, stop):
             split_start = split * split_size
-            m_i, l_i, acc = _attend_split(
-                q, pos, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, split_start,
-                tl.minimum(split_start + split_size, last_pos + 1), visible, first_new, q_start, kv_head, dims,
-                dim_ok, qk_scale, kc, vc, nk, nv, BLOCK_SIZE, BLOCK_M, TILE, HEAD_DIM, DIM, DOT_DTYPE, FAST_PREFILL,
-                PROMPT, STAGES, INTERPRET,
-            )  # fmt: skip
+            kv_stop = tl.minimum(split_start + split_size, last_pos + 1)
+            # Canonical rows sum their weights on the matrix unit (``_row_sum``); fast decode
+            # rows keep the cheaper ``tl.sum`` (decode launches serve both kinds; a prompt
+            # launch without FAST_PREFILL serves canonical sequences only).
+            if PROMPT:
+                m_i, l_i, acc = _attend_split(
+                    q, pos, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, split_start, kv_stop,
+                    visible, first_new, q_start, kv_head, dims, dim_ok, qk_scale, kc, vc, nk, nv, BLOCK_SIZE,
+                    BLOCK_M, TILE, HEAD_DIM, DIM, DOT_DTYPE, False, True, PROMPT, STAGES, INTERPRET,
+                )  # fmt: skip
+            elif canonical:
+                m_i, l_i, acc = _attend_split(
+                    q, pos, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, split_start, kv_stop,
+                    visible, first_new, q_start, kv_head, dims, dim_ok, qk_scale, kc, vc, nk, nv, BLOCK_SIZE,
+                    BLOCK_M, TILE, HEAD_DIM, DIM, DOT_DTYPE, False, True, PROMPT, STAGES, INTERPRET,
+                )  # fmt: skip
+            else:
+                m_i, l_i, acc = _attend_split(
+                    q, pos, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, split_start, kv_stop,
+                    visible, first_new, q_start, kv_head, dims, dim_ok, qk_scale, kc, vc, nk, nv, BLOCK_SIZE,
+                    BLOCK_M, TILE, HEAD_DIM, DIM, DOT_DTYPE, False, False, PROMPT, STAGES, INTERPRET,
+                )  # fmt: skip
             if first == 0:
                 m_f, l_f, acc_f = _merge(m_f, l_f, acc_f, m_i, l_i, acc)
             else:
@@ -625,7 +663,7 @@ def _combine_kernel(
     )
     if done:
         return
-    served, split_size, group = _sequence_schedule(
+    _, served, split_size, group = _sequence_schedule(
         canonical_ptr, seq, serve, fast_split, canonical_split, canonical_group
     )
     block_splits = last_pos // split_size + 1
@@ -728,7 +766,8 @@ def _canonical_schedule(
     """The fixed canonical constants (a function of the model's GQA group only), and how many
     of a row's splits one program folds: all of them once the batch alone fills the GPU."""
     cfg = CANONICAL_CONFIG
-    block_m = max(cfg["block_m"] if max_query_len == 1 else cfg["prefill_block_m"], triton.next_power_of_2(group))
+    prompt = max_query_len > 1
+    block_m = max(cfg["prefill_block_m"] if prompt else cfg["block_m"], triton.next_power_of_2(group))
     programs = _query_blocks(num_tokens, num_seqs, max_query_len, block_m // group) * num_kv_heads
     splits = triton.cdiv(max_seq_len, cfg["kv_split"])
     spread = max(1, _target_programs(device) // programs)
@@ -736,10 +775,10 @@ def _canonical_schedule(
         block_m=block_m,
         kv_tile=cfg["kv_tile"],
         split_size=cfg["kv_split"],
-        num_warps=cfg["num_warps"],
+        num_warps=cfg["prefill_num_warps"] if prompt else cfg["num_warps"],
         num_stages=cfg["num_stages"],
         group=triton.cdiv(splits, spread),
-        prompt=max_query_len > 1,
+        prompt=prompt,
     )
 
 
@@ -883,9 +922,9 @@ def _launch(
     block_q = sched.block_m // group
     dim = max(16, triton.next_power_of_2(head_dim))
     grid = (num_tokens // block_q + 2 * num_seqs, num_kv_heads)
-    # Descriptors serve the fast prefill's wgmma. The canonical schedule's mma.sync takes its
-    # operands through registers, which are short there already: with descriptors its 32-row
-    # blocks spilled 372 bytes a thread, with plain loads 124 (ptxas, sm_90a, Triton 3.6).
+    # Descriptors serve the fast prefill. The canonical prompt launch reads plain loads: with
+    # descriptors its former 32-row mma.sync blocks spilled 372 bytes a thread against 124
+    # (ptxas, sm_90a, Triton 3.6); its 128-row wgmma blocks were not timed with them yet.
     use_tma = k is not None and sched.fast_prefill
     k_desc, v_desc = _tensor_descriptors(k, v, sched.kv_tile, head_dim) if use_tma else (None, None)
     new_strides = (*k.stride(), *v.stride()) if k is not None else (0,) * 6
