@@ -44,7 +44,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enforce_eager: bool = False
     async_scheduling: bool | None = None
-    """Plan and launch step N+1 while the GPU runs step N; None = on for one CUDA device."""
+    """Plan and launch step N+1 while the GPU runs step N; None = on for CUDA devices."""
     load_format: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
@@ -97,8 +97,6 @@ class EngineConfig:
         for name in ("max_canonical_rows", "canonical_sizes_per_octave"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError("async_scheduling needs tensor_parallel_size=1: the workers would need the sampled tokens")
         if self.verify_window < 1:
             raise ValueError(f"verify_window must be >= 1, got {self.verify_window}")
         if self.attention_backend == "triton" and not HAS_TRITON:
@@ -151,11 +149,12 @@ class EngineConfig:
         return PassSizes.grid(base, largest, self.canonical_sizes_per_octave or (8 if cuda else 1))
 
     def async_scheduling_for(self, device: torch.device) -> bool:
-        """Overlap pays only where kernels run asynchronously to the host; under tensor
-        parallelism the workers would need the sampled tokens too, so it stays off there."""
+        """Overlap pays only where kernels run asynchronously to the host. Under tensor
+        parallelism rank 0 broadcasts each step's resolved input ids to the workers on the
+        device (``ModelRunner.forward``)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return device.type == "cuda" and self.tensor_parallel_size == 1
+        return device.type == "cuda"
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

@@ -124,7 +124,6 @@ def test_add_request_rejects_bad_requests_without_disturbing_running_ones(llm: L
         (dict(gpu_memory_utilization=float("nan")), "gpu_memory_utilization must be in"),
         (dict(max_model_len=1), "max_model_len must be >= 2, got 1"),
         (dict(verify_window=0), "verify_window must be >= 1, got 0"),
-        (dict(async_scheduling=True, tensor_parallel_size=2), "async_scheduling needs tensor_parallel_size=1"),
     ],
 )
 def test_engine_settings_out_of_range_are_named(kwargs: dict, match: str) -> None:

@@ -48,7 +48,10 @@ def tp_llm(path: Path, tp: int, **kwargs: object) -> Iterator[LLM]:
         assert not dist.is_initialized()
 
 
-def test_tp2_greedy_tokens_equal_tp1_on_the_trained_model(trained_model: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["lockstep", "overlapped"])
+def test_tp2_greedy_tokens_equal_tp1_on_the_trained_model(trained_model: Path, overlap: bool) -> None:
+    """Also with overlapped scheduling, where a step's input ids are placeholders until rank 0
+    resolves them on the device and broadcasts them to the worker."""
     prompts = ["def main(", "import numpy as np\n", "class Config:\n    def __init__(self", "    for i in range("]
     # Two ~800-token prompts make a first step whose plan needs more than one broadcast.
     prompts += ["".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(k, k + 60)) for k in (0, 100)]
@@ -56,12 +59,19 @@ def test_tp2_greedy_tokens_equal_tp1_on_the_trained_model(trained_model: Path) -
     settings = dict(num_kv_blocks=256, max_num_batched_tokens=2048)
     one = LLM(str(trained_model), device="cpu", **settings)
     expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
-    with tp_llm(trained_model, 2, **settings) as two:
+    with tp_llm(trained_model, 2, async_scheduling=overlap, **settings) as two:
         engine = two.llm_engine
+        assert engine.async_scheduling == overlap
+        tp, broadcasts = engine.model.tp, []
+        send = tp.broadcast_from_first
+        tp.broadcast_from_first = lambda ids: broadcasts.append(len(ids)) or send(ids)
         start, plans = time.perf_counter(), engine.workers.plans_sent
         outs = two.generate(prompts, params, use_tqdm=False)
         elapsed, plans = time.perf_counter() - start, engine.workers.plans_sent - plans
         assert [o.outputs[0].token_ids for o in outs] == expected
+        # Overlapped: nearly every decode step's ids came from the device (the first and the
+        # drains before a finish read real tokens); in lockstep none did.
+        assert len(broadcasts) >= (20 if overlap else 0) and (overlap or not broadcasts)
         assert engine.fingerprint != one.llm_engine.fingerprint
         assert engine.numerics["tensor_parallel_size"] == 2
         w = engine.workers

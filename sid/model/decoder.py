@@ -46,6 +46,8 @@ class TensorParallel(Protocol):
 
     def all_gather_cat(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
 
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor: ...
+
 
 @dataclass(frozen=True)
 class Shard(HeadLayout):

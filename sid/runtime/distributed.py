@@ -70,6 +70,11 @@ class TPGroup:
         """Every rank's ``x`` concatenated along ``dim`` in rank order (exact: no arithmetic)."""
         return torch.cat(self._gather(x), dim)
 
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as rank 0 holds it, in place on every rank (on the device: no host round trip)."""
+        dist.broadcast(x, src=0)
+        return x
+
     def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous())

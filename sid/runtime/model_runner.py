@@ -482,7 +482,9 @@ class ModelRunner:
     def forward(self, step: StepInputs, fed: TokenFeed | None = None) -> torch.Tensor | None:
         """Every rank's part of a pass: the model over its rows, then the logits of
         ``step.logit_rows`` (None when there are none). Rank 0 sends the step to the workers
-        first; placeholders among the inputs (rank 0 alone, no workers) are resolved from ``fed``."""
+        first. Placeholders among the inputs (overlapped scheduling) are resolved from ``fed``
+        on rank 0, which broadcasts the resolved ids to the workers on the device: the plan
+        they got holds the same placeholders, so every rank knows to take part."""
         with self.workers.running(step) if self.workers is not None else nullcontext():
             width = step.block_tables.shape[1]
             qsl = step.query_start_loc
@@ -491,6 +493,8 @@ class ModelRunner:
             )
             if fed is not None:
                 fed.resolve(ids)
+            if self.model.tp is not None and min(step.input_ids, default=0) < 0:
+                self.model.tp.broadcast_from_first(ids)
             flags = step.canonical_seqs
             seq_lens, query_start_loc, tables, canonical_seqs = upload(
                 self.device, [step.seq_lens, qsl, step.block_tables, flags or ()], torch.int32
