@@ -592,15 +592,10 @@ def _attention_kernel(
             split_start = split * split_size
             kv_stop = tl.minimum(split_start + split_size, last_pos + 1)
             # Canonical rows sum their weights on the matrix unit (``_row_sum``); fast decode
-            # rows keep the cheaper ``tl.sum`` (decode launches serve both kinds; a prompt
-            # launch without FAST_PREFILL serves canonical sequences only).
-            if PROMPT:
-                m_i, l_i, acc = _attend_split(
-                    q, pos, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, split_start, kv_stop,
-                    visible, first_new, q_start, kv_head, dims, dim_ok, qk_scale, kc, vc, nk, nv, BLOCK_SIZE,
-                    BLOCK_M, TILE, HEAD_DIM, DIM, DOT_DTYPE, False, True, PROMPT, STAGES, INTERPRET,
-                )  # fmt: skip
-            elif canonical:
+            # rows keep the cheaper ``tl.sum``. Decode launches serve both kinds; a prompt
+            # launch without FAST_PREFILL serves canonical sequences only (the condition folds
+            # to a constant there, so its kernel holds one branch).
+            if canonical | PROMPT:
                 m_i, l_i, acc = _attend_split(
                     q, pos, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, split_start, kv_stop,
                     visible, first_new, q_start, kv_head, dims, dim_ok, qk_scale, kc, vc, nk, nv, BLOCK_SIZE,
