@@ -186,16 +186,21 @@ def test_killed_worker_fails_the_next_step_within_seconds(checkpoints: dict[str,
             engine.step()
 
 
-def test_worker_that_dies_during_a_collective_fails_the_step_within_seconds(checkpoints: dict[str, Path]) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["lockstep", "overlapped"])
+def test_worker_that_dies_during_a_collective_fails_the_step_within_seconds(
+    checkpoints: dict[str, Path], overlap: bool
+) -> None:
     """Rank 0 is already waiting in the step's first collective when the worker dies: the
-    broken connection, not the 120 s timeout, ends the wait."""
+    broken connection, not the 120 s timeout, ends the wait. Overlapped, that collective is
+    the broadcast of the step's input ids."""
 
     def stop_then_kill(engine: LLMEngine) -> None:
         pid = engine.workers.pids[1]
         os.kill(pid, signal.SIGSTOP)  # it takes the plan but never joins the collective
         threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
 
-    with failed_step(checkpoints["qwen3"], 2, stop_then_kill, r"worker rank 1 died \(exit code -9\)") as (_, elapsed):
+    died = r"worker rank 1 died \(exit code -9\)"
+    with failed_step(checkpoints["qwen3"], 2, stop_then_kill, died, async_scheduling=overlap) as (_, elapsed):
         assert 0.5 <= elapsed < 5
         print(f"\nthe step whose worker died in it failed after {elapsed:.2f} s")
 
