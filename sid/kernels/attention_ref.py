@@ -152,11 +152,11 @@ def paged_attention_canonical_ref(
     batched matmul, whose bits depend on neither the batch count nor the batch strides on
     the CPU, the backend this schedule serves (``tests/test_kernels.py`` checks it; on CUDA
     cuBLAS picks its batched kernel by batch count, and the Triton kernel serves instead).
-    The softmax subtracts the row's maximum over all its keys (exact in any order), and the tiles' weighted values and weight sums are folded
-    in a binary tree over absolute tile indices, where tiles past the row's last are exact
-    zeros. So a row's output depends only on its position and keys: not on the other rows,
-    how many there are, how a prompt was chunked, nor which of the two ways of
-    ``canonical_plan`` computed it. ``plan`` is that index work for these rows, if already done.
+    The softmax subtracts the row's maximum over all its keys (exact in any order), and the
+    tiles' weighted values and weight sums are folded in a binary tree over absolute tile
+    indices, where tiles past the row's last are exact zeros. So a row's output depends only
+    on its position and keys: not on the other rows, how many there are, how a prompt was
+    chunked, nor which of the two ways of ``canonical_plan`` computed it. ``plan`` is that index work for these rows, if already done.
     """
     if plan is None:
         plan = canonical_plan(q.shape[1], k_cache, block_tables, seq_lens, query_start_loc, tile)

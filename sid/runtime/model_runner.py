@@ -493,8 +493,11 @@ class ModelRunner:
             )
             if fed is not None:
                 fed.resolve(ids)
-            if self.model.tp is not None and min(step.input_ids, default=0) < 0:
-                self.model.tp.broadcast_from_first(ids)
+            # Rank 0 has a feed exactly when its inputs hold placeholders (``TokenFeed.check``);
+            # a worker has none, and reads the same placeholders in its plan.
+            tp = self.model.tp
+            if tp is not None and (fed is not None or (self.workers is None and min(step.input_ids, default=0) < 0)):
+                tp.broadcast_from_first(ids)
             flags = step.canonical_seqs
             seq_lens, query_start_loc, tables, canonical_seqs = upload(
                 self.device, [step.seq_lens, qsl, step.block_tables, flags or ()], torch.int32
