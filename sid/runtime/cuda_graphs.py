@@ -102,6 +102,8 @@ class CUDAGraphs:
             max_query_len=shape.rows if shape.canonical else 1,
             max_seq_len=self.max_seq_len,
             canonical=True if shape.canonical else self.canonical_seqs[: shape.seqs],
+            # Where deterministic rows have graphs of their own, the others hold fast rows only.
+            schedules=(True, shape.invariant or not self.invariant_decode),
         )
 
     def forward(self, shape: GraphShape) -> torch.Tensor:
