@@ -20,6 +20,8 @@ from sid.engine.kv_cache import cdiv
 from sid.engine.plan import ScheduledChunk
 from sid.runtime.cuda_graphs import CUDAGraphs
 from sid.runtime.model_runner import ChunkResult
+from sid.runtime.piecewise_graphs import PieceGraphs, piece_buckets
+from tests.test_models import record_logits
 
 PROMPTS = ["def main(", "import numpy as np\n", "class Config:\n    def __init__(self", "    for i in range(", "# t\n"]
 
@@ -169,3 +171,46 @@ def test_a_riding_decode_step_through_the_graph_buffers_has_the_eager_bits(train
     for chunk, a, b in zip(chunks, eager, graphed):
         if chunk.request.deterministic:
             assert [s.token_id for s in a.samples] == [s.token_id for s in b.samples]
+
+
+@pytest.mark.parametrize("ride", [False, True], ids=["fast", "ride"])
+def test_a_pass_with_prompt_rows_through_the_piece_buffers_has_the_eager_bits(trained_model: Path, ride: bool) -> None:
+    """Prompt chunks (one recomputed whole, one with a cached prefix) beside decode rows, padded
+    to a piece bucket: ``PieceGraphs.forward`` (what the pieces replay, attention between
+    them) gives every logit row the eager pass's bits. In bfloat16 this CPU's GEMMs keep a
+    row's bits at every row count; riding, both take the proven paths and the padded pass's
+    deterministic rows attend canonically. Nothing is written for the padding rows."""
+    llm = LLM(str(trained_model), max_num_seqs=8, dtype="bfloat16")
+    engine = llm.llm_engine
+    assert engine.ride
+    for i, p in enumerate(PROMPTS):
+        params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, deterministic=ride and i % 2 == 0)
+        engine.add_request(f"r{i}", p * (i + 1), params)
+    for _ in range(3):
+        engine.step()
+    running = engine.scheduler.running
+    assert all(engine.kv.allocate(r, r.num_tokens) for r in running)
+    chunks = [ScheduledChunk(running[0], 0, running[0].num_computed_tokens + 1)]
+    chunks.append(ScheduledChunk(running[1], 2, running[1].num_computed_tokens - 1))
+    chunks += [ScheduledChunk(r, r.num_computed_tokens, 1) for r in running[2:]]
+    rows = sum(c.num_tokens for c in chunks)
+    engine.runner.ride = ride
+    seen = record_logits(llm)
+    eager = run(engine, chunks, None, canonical=False)
+    buckets = piece_buckets(engine.config.max_num_batched_tokens, engine.canonical.sizes if ride else None)
+    pieces = PieceGraphs(engine.model, engine.kv_cache, buckets, invariant=ride)
+    replays: list[tuple[int, int]] = []
+
+    def replay(rows: int, bucket: int) -> torch.Tensor:  # what a replay computes
+        replays.append((rows, bucket))
+        return pieces.forward(rows, bucket)
+
+    pieces.run = replay  # type: ignore[method-assign]
+    cache = [t.clone() for t in engine.kv_cache.k + engine.kv_cache.v]
+    engine.runner.pieces = pieces
+    graphed = run(engine, chunks, None, canonical=False)
+    assert all(torch.equal(a, b) for a, b in zip(cache, engine.kv_cache.k + engine.kv_cache.v))
+    assert len(replays) == 1 and replays[0][0] >= rows and replays[0][1] == pieces.bucket(replays[0][0]) > rows
+    assert len(seen) == 2 and torch.equal(seen[0], seen[1])
+    for a, b in zip(eager, graphed):
+        assert [(s.position, s.token_id) for s in a.samples] == [(s.position, s.token_id) for s in b.samples]

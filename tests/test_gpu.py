@@ -186,3 +186,28 @@ def test_the_scheduler_weighs_passes_the_engine_timed_at_start_up(trained_model:
     assert cost.canonical_graphed[-1][0] == sched.graph_rows and cost.canonical_eager[-1][0] == engine.canonical.max
     for table in (cost.fast_graphed, cost.fast_eager, cost.canonical_graphed, cost.canonical_eager):
         assert table and all(ms > 0 for _, ms in table)
+
+
+def test_piece_graphs_replay_the_bits_of_their_eager_twin(trained_model: Path) -> None:
+    """A pass with prompt rows replays its bucket's pieces (attention eager between them) and
+    gets the bits of ``PieceGraphs.forward``, the same computation run eagerly; the unpadded
+    eager pass agrees within bf16 noise."""
+    llm = decoding_engine(trained_model)
+    engine = llm.llm_engine
+    pieces = engine.runner.pieces
+    assert pieces is not None and len(pieces.pieces) == len(pieces.buckets)
+    running = engine.scheduler.running
+    assert all(engine.kv.allocate(r, r.num_tokens) for r in running)
+    chunks = [ScheduledChunk(running[0], 0, running[0].num_computed_tokens + 1)]  # its whole prompt again
+    chunks += [ScheduledChunk(r, r.num_computed_tokens, 1) for r in running[1:]]
+    tables = engine.kv.block_table([c.request for c in chunks])
+    seen = record_logits(llm)
+    replayed = engine.runner.execute(chunks, tables)
+    pieces.run = pieces.forward  # type: ignore[method-assign]
+    eager_pieces = engine.runner.execute(chunks, tables)
+    engine.runner.pieces = None
+    eager = engine.runner.execute(chunks, tables)
+    assert len(seen) == 3 and seen[0].shape[0] == len(chunks) and torch.equal(seen[0], seen[1])
+    assert [s.token_id for r in replayed for s in r.samples] == [s.token_id for r in eager_pieces for s in r.samples]
+    rel = (seen[2] - seen[0]).norm() / seen[0].norm()
+    assert rel < 2e-2, rel

@@ -35,6 +35,7 @@ from sid.runtime.attention import PagedKVCache, get_backend
 from sid.runtime.cuda_graphs import CUDAGraphs, decode_buckets
 from sid.runtime.gemm import CPU_TILE, candidates, fast_path, pad_floors, prove_plan
 from sid.runtime.model_runner import ChunkResult, ModelRunner, placeholder
+from sid.runtime.piecewise_graphs import PieceGraphs, piece_buckets
 from sid.runtime.tp_worker import TPWorkers, WorkerSpec
 from sid.sampling_params import RequestOutputKind, SamplingParams
 
@@ -172,6 +173,11 @@ class LLMEngine:
                 canonical_invariant=invariant is not None,
             )
             self.runner.graphs.capture()
+            if config.tp_invariant_chunks is None:  # chunked sums are for canonical rows: eager
+                # Riding rows take the proven GEMMs, at proven sizes; the fast lane alone, its own.
+                buckets = piece_buckets(config.max_num_batched_tokens, self.canonical.sizes if self.ride else None)
+                self.runner.pieces = PieceGraphs(self.model, self.kv_cache, buckets, invariant=self.ride)
+                self.runner.pieces.capture()
         self.numerics = self._numerics_config()
         self.fingerprint = numerics_fingerprint(self.numerics)
         self.canonical_domain = f"canonical:{self.fingerprint}"

@@ -55,8 +55,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> None: ...
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """Write each row's K/V at its cache slot (``AttentionMetadata.slot_mapping``; -1: nowhere)."""
 
     @abstractmethod
     def attend(
@@ -68,9 +69,11 @@ class AttentionBackend(ABC):
         scale: float,
         k: torch.Tensor | None = None,
         v: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of the step's rows over the cache, which already holds this step's K/V;
-        ``k``/``v`` are those same keys and values, which a backend may read from instead."""
+        ``k``/``v`` are those same keys and values, which a backend may read from instead.
+        Written into ``out`` when given (and returned)."""
 
     @abstractmethod
     def canonical_config(self) -> dict[str, object]:
@@ -83,9 +86,9 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
     ) -> None:
-        store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kv_ref(k, v, k_cache, v_cache, slots)
 
     def attend(
         self,
@@ -96,16 +99,20 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         k: torch.Tensor | None = None,
         v: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         parts = meta.memo.get(self.name)
         if parts is None:
             parts = meta.memo[self.name] = _schedule_parts(q, k_cache, meta)
         assert isinstance(parts, list)
-        if len(parts) == 1 and parts[0].rows is None:
+        if len(parts) == 1 and parts[0].rows is None and out is None:
             return parts[0].attend(q, k_cache, v_cache, scale)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         for part in parts:
-            out[part.rows] = part.attend(q[part.rows], k_cache, v_cache, scale)
+            if part.rows is None:
+                out.copy_(part.attend(q, k_cache, v_cache, scale))
+            else:
+                out[part.rows] = part.attend(q[part.rows], k_cache, v_cache, scale)
         return out
 
     def canonical_config(self) -> dict[str, object]:
@@ -220,14 +227,26 @@ class PagedKVCache:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The model's attention hook: cache first, then attention from the cache."""
-        meta = self.meta
-        assert meta is not None, "attention metadata must be set before the forward pass"
-        self.backend.store_kv(k, v, self.k[layer], self.v[layer], meta)
-        out = self.backend.attend(q, self.k[layer], self.v[layer], meta, self.scale, k, v)
+        self.store(layer, k, v, self._meta().slot_mapping)
+        return self.attend(layer, q, k, v)
+
+    def _meta(self) -> AttentionMetadata:
+        assert self.meta is not None, "attention metadata must be set before the forward pass"
+        return self.meta
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        self.backend.store_kv(k, v, self.k[layer], self.v[layer], slots)
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Layer ``layer``'s attention of the step's rows, whose K/V the cache holds already."""
+        meta = self._meta()
+        out = self.backend.attend(q, self.k[layer], self.v[layer], meta, self.scale, k, v, out)
         if FAULTS.fast_attention_noise and meta.canonical is not True:
             fast = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
             if isinstance(meta.canonical, torch.Tensor):
                 q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
                 fast = torch.repeat_interleave(meta.canonical == 0, q_lens, output_size=out.shape[0])
-            out = out + batch_noise(out, FAULTS.fast_attention_noise) * fast[:, None, None]
+            out.add_(batch_noise(out, FAULTS.fast_attention_noise) * fast[:, None, None])
         return out

@@ -43,6 +43,7 @@ from sid.runtime.attention import AttentionMetadata, PagedKVCache
 from sid.runtime.cuda_graphs import CUDAGraphs
 from sid.runtime.faults import FAULTS
 from sid.runtime.gemm import RowSplit
+from sid.runtime.piecewise_graphs import PieceGraphs
 from sid.runtime.sampler import SamplerOutput, SamplingBatch, compute_logprobs, sample
 from sid.runtime.transfer import upload
 from sid.sampling_params import SamplingParams
@@ -217,6 +218,8 @@ class ModelRunner:
         self.canonical = canonical
         self.vocab_size = model.cfg.vocab_size
         self.graphs: CUDAGraphs | None = None
+        self.pieces: PieceGraphs | None = None
+        """Fast passes that no decode graph runs (prompt rows) replay these, attention between."""
         self.workers = workers
         """Rank 0 of a tensor-parallel group: each pass is sent to these workers first."""
         self.ride = False
@@ -514,8 +517,15 @@ class ModelRunner:
             )
             body, head = self._splits(step)
             gemms = self.model.gemms
-            gemms.select(step.invariant, body)
-            hidden = self.model(ids, positions, self.kv_cache)
+            pieces, rows = self.pieces, len(step.input_ids)
+            bucket = pieces.bucket(rows) if pieces is not None and not step.canonical else None
+            if pieces is not None and bucket is not None:
+                assert pieces.invariant or not step.invariant, "riding rows need pieces on the proven GEMMs"
+                pieces.load(ids, positions, slots, bucket)
+                hidden = pieces.run(rows, bucket)
+            else:
+                gemms.select(step.invariant, body)
+                hidden = self.model(ids, positions, self.kv_cache)
             if step.logit_rows is None:
                 return self.model.compute_logits(hidden)  # every row, padding included
             if not step.logit_rows:

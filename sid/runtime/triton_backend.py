@@ -13,9 +13,9 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
     ) -> None:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kv(k, v, k_cache, v_cache, slots)
 
     def attend(
         self,
@@ -26,6 +26,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         k: torch.Tensor | None = None,
         v: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Prompt chunks read their own keys from ``k``/``v`` (contiguous rows), the cached
         prefix through the block table."""
@@ -38,6 +39,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.query_start_loc,
             scale,
             canonical=meta.canonical,
+            out=out,
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
             schedules=meta.schedules,
