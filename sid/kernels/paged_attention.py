@@ -202,6 +202,7 @@ def _block_rows(
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     """Rows of this program's query block: sequence, flat token, head, validity and position.
 
@@ -210,15 +211,23 @@ def _block_rows(
     head ``kv_head * GROUP + m % GROUP``. A position therefore always sits in the same row of
     the tile, whatever the batch (matrix units need not treat every row alike). Rows that are
     not this step's queries are padding: they repeat a valid row and are never stored.
-    Returns (sequence, done, flat token, head, valid, position, last valid position).
+    ``DECODE``: every sequence has one row at most, so block ``s`` is sequence ``s``'s (a grid
+    of one block a sequence; no search). Returns (sequence, done, flat token, head, valid,
+    position, last valid position).
     """
     q_block = tl.program_id(0)
-    seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    if DECODE:
+        seq = q_block
+    else:
+        seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     first_query = seq_len - q_len
-    block_start = (first_query // BLOCK_Q + q_block - q_start // BLOCK_Q - 2 * seq) * BLOCK_Q
+    if DECODE:
+        block_start = first_query // BLOCK_Q * BLOCK_Q
+    else:
+        block_start = (first_query // BLOCK_Q + q_block - q_start // BLOCK_Q - 2 * seq) * BLOCK_Q
     done = (q_len == 0) | (block_start >= seq_len)
     last_pos = tl.minimum(block_start + BLOCK_Q, seq_len) - 1
     m = tl.arange(0, BLOCK_M)
@@ -539,7 +548,7 @@ def _attention_kernel(
     in both schedules (H200, 2026-12-01).
     """
     seq, done, token, head, valid, pos, last_pos = _block_rows(
-        query_start_loc_ptr, seq_lens_ptr, num_seqs, GROUP, BLOCK_M, BLOCK_Q
+        query_start_loc_ptr, seq_lens_ptr, num_seqs, GROUP, BLOCK_M, BLOCK_Q, not PROMPT
     )
     if done:
         return
@@ -637,6 +646,7 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     DIM: tl.constexpr,
     DIMS: tl.constexpr,
+    PROMPT: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
     """Continue the left fold of the rows that split 0's program left unfinished: its fold in
@@ -644,7 +654,7 @@ def _combine_kernel(
     ``DIMS`` of the head dimensions (the third grid axis): the fold is elementwise, so this
     spreads a lone long row's partials over more multiprocessors without changing a bit."""
     seq, done, token, head, valid, pos, last_pos = _block_rows(
-        query_start_loc_ptr, seq_lens_ptr, num_seqs, GROUP, BLOCK_M, BLOCK_Q
+        query_start_loc_ptr, seq_lens_ptr, num_seqs, GROUP, BLOCK_M, BLOCK_Q, not PROMPT
     )
     if done:
         return
@@ -902,7 +912,8 @@ def _launch(
     num_tokens, num_seqs, num_kv_heads = q.shape[0], seq_lens.shape[0], k_cache.shape[2]
     block_q = sched.block_m // group
     dim = max(16, triton.next_power_of_2(head_dim))
-    grid = (num_tokens // block_q + 2 * num_seqs, num_kv_heads)
+    # A decode launch's sequences have one row each: a block a sequence (``_block_rows``).
+    grid = (num_seqs if not sched.prompt else num_tokens // block_q + 2 * num_seqs, num_kv_heads)
     # Descriptors serve the fast prefill. The canonical prompt launch reads plain loads: with
     # descriptors its former 32-row mma.sync blocks spilled 372 bytes a thread against 124
     # (ptxas, sm_90a, Triton 3.6); its 128-row wgmma blocks were not timed with them yet.
@@ -977,6 +988,7 @@ def _launch(
             HEAD_DIM=head_dim,
             DIM=dim,
             DIMS=min(dim, dims),
+            PROMPT=sched.prompt,
             PREFETCH=_COMBINE_PREFETCH,
             num_warps=_COMBINE_NUM_WARPS,
         )
