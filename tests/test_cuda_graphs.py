@@ -51,8 +51,7 @@ def graphs_for(engine: LLMEngine, invariant_decode: bool = False) -> CUDAGraphs:
         invariant_decode=invariant_decode,
         canonical_invariant=engine.model.gemms.invariant is not None,
     )
-    graphs.replay = graphs.forward  # type: ignore[method-assign]  # what a replay computes
-    return graphs
+    return graphs  # never captured on the CPU: ``replay`` computes what the graph would
 
 
 def run(engine: LLMEngine, chunks: list[ScheduledChunk], graphs: CUDAGraphs | None, canonical: bool) -> list[ChunkResult]:

@@ -48,10 +48,15 @@ def tp_llm(path: Path, tp: int, **kwargs: object) -> Iterator[LLM]:
         assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["lockstep", "overlapped"])
-def test_tp2_greedy_tokens_equal_tp1_on_the_trained_model(trained_model: Path, overlap: bool) -> None:
+@pytest.mark.parametrize(
+    ("overlap", "graphs"), [(False, False), (True, False), (True, True)], ids=["lockstep", "overlapped", "graphs"]
+)
+def test_tp2_greedy_tokens_equal_tp1_on_the_trained_model(trained_model: Path, overlap: bool, graphs: bool) -> None:
     """Also with overlapped scheduling, where a step's input ids are placeholders until rank 0
-    resolves them on the device and broadcasts them to the worker."""
+    resolves them on the device and broadcasts them to the worker; and through the CUDA
+    graphs' path (``capture_graphs``: on the CPU every rank builds the graphs' buffers and
+    computes what a replay would): decode steps padded to their bucket, prompt passes to a
+    piece bucket, each rank loading the plan into its own buffers."""
     prompts = ["def main(", "import numpy as np\n", "class Config:\n    def __init__(self", "    for i in range("]
     # Two ~800-token prompts make a first step whose plan needs more than one broadcast.
     prompts += ["".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(k, k + 60)) for k in (0, 100)]
@@ -65,10 +70,20 @@ def test_tp2_greedy_tokens_equal_tp1_on_the_trained_model(trained_model: Path, o
         tp, broadcasts = engine.model.tp, []
         send = tp.broadcast_from_first
         tp.broadcast_from_first = lambda ids: broadcasts.append(len(ids)) or send(ids)
+        replays: list[bool] = []
+        if graphs:
+            engine.capture_graphs()
+            runner = engine.runner
+            assert runner.graphs is not None and runner.pieces is not None
+            replay, run = runner._replay, runner.pieces.run
+            runner._replay = lambda step, fed: replays.append(True) or replay(step, fed)  # type: ignore[method-assign]
+            runner.pieces.run = lambda rows, bucket: replays.append(False) or run(rows, bucket)  # type: ignore[method-assign]
         start, plans = time.perf_counter(), engine.workers.plans_sent
         outs = two.generate(prompts, params, use_tqdm=False)
         elapsed, plans = time.perf_counter() - start, engine.workers.plans_sent - plans
         assert [o.outputs[0].token_ids for o in outs] == expected
+        # Every pass went through a graph's path: decode steps replay, prompt passes run pieces.
+        assert not graphs or (len(replays) == plans and replays.count(True) >= 20 and replays.count(False) >= 1)
         # Overlapped: nearly every decode step's ids came from the device (the first and the
         # drains before a finish read real tokens); in lockstep none did.
         assert len(broadcasts) >= (20 if overlap else 0) and (overlap or not broadcasts)

@@ -32,10 +32,10 @@ from sid.model.decoder import Shard
 from sid.model.loader import build_model
 from sid.outputs import RequestOutput
 from sid.runtime.attention import PagedKVCache, get_backend
-from sid.runtime.cuda_graphs import CUDAGraphs, decode_buckets
+from sid.runtime.cuda_graphs import GraphSpec, decode_buckets
 from sid.runtime.gemm import CPU_TILE, candidates, fast_path, pad_floors, prove_plan
 from sid.runtime.model_runner import ChunkResult, ModelRunner, placeholder
-from sid.runtime.piecewise_graphs import PieceGraphs, piece_buckets
+from sid.runtime.piecewise_graphs import piece_buckets
 from sid.runtime.tp_worker import TPWorkers, WorkerSpec
 from sid.sampling_params import RequestOutputKind, SamplingParams
 
@@ -65,10 +65,10 @@ class LLMEngine:
         # Bytes other engines held when this one started: KV sizing leaves them out.
         memory_baseline = torch.cuda.memory_allocated(self.device) if cuda else 0
         proven_sizes = config.canonical_sizes_for(self.device, proven=True)
-        max_positions = max(self.max_model_len, self.canonical.max, proven_sizes.max)  # padding rows too
-        self.workers = self._start_workers(max_positions)
+        self.max_positions = max(self.max_model_len, self.canonical.max, proven_sizes.max)  # padding rows too
+        self.workers = self._start_workers(self.max_positions)
         try:
-            self._build(max_positions, proven_sizes, memory_baseline)
+            self._build(self.max_positions, proven_sizes, memory_baseline)
         except BaseException:
             self.shutdown()
             raise
@@ -153,31 +153,8 @@ class LLMEngine:
             self.model, self.kv_cache, config.block_size, self.device, self.canonical, self.workers
         )
         self.scheduler.ride = self.runner.ride = self.ride
-        # Under TP the graphs would have to capture the collectives too; TP runs eagerly.
-        if self.device.type == "cuda" and not config.enforce_eager and self.workers is None:
-            max_batch = min(config.max_num_seqs, 256)
-            canonical_lane = config.enable_determinism and not self.ride
-            # Canonical passes padded to a decode bucket's size replay a graph (with proven
-            # GEMMs the sizes are too many to capture them all).
-            buckets = set(decode_buckets(max(max_batch, self.canonical.base)))
-            canonical_graphs = [s for s in self.canonical.sizes if s in buckets]
-            invariant = self.model.gemms.invariant
-            self.runner.graphs = CUDAGraphs(
-                self.model,
-                self.kv_cache,
-                max_batch=max_batch,
-                canonical_sizes=canonical_graphs if canonical_lane else (),
-                max_blocks=cdiv(max_positions, config.block_size),
-                max_seq_len=max_positions,
-                invariant_decode=self.ride and any(p != self.model.gemms.fast for p in (invariant or {}).values()),
-                canonical_invariant=invariant is not None,
-            )
-            self.runner.graphs.capture()
-            if config.tp_invariant_chunks is None:  # chunked sums are for canonical rows: eager
-                # Riding rows take the proven GEMMs, at proven sizes; the fast lane alone, its own.
-                buckets = piece_buckets(config.max_num_batched_tokens, self.canonical.sizes if self.ride else None)
-                self.runner.pieces = PieceGraphs(self.model, self.kv_cache, buckets, invariant=self.ride)
-                self.runner.pieces.capture()
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.capture_graphs()
         self.numerics = self._numerics_config()
         self.fingerprint = numerics_fingerprint(self.numerics)
         self.canonical_domain = f"canonical:{self.fingerprint}"
@@ -222,6 +199,34 @@ class LLMEngine:
             warm_up(self.runner, self.kv, self.canonical_domain, max_rows=config.max_num_batched_tokens,
                     chunk_len=min(1024, self.max_model_len - 1))
         self.kv.stats = PrefixCacheStats()
+
+    def capture_graphs(self) -> None:
+        """Capture the CUDA graphs on every rank (start-up does on CUDA, unless ``enforce_eager``):
+        decode steps by batch bucket, canonical passes of a decode bucket's size (with proven
+        GEMMs the canonical sizes are too many to capture them all), and passes with prompt
+        rows in pieces, where riding rows take the proven GEMMs at proven sizes and the fast
+        lane alone its own. Chunked TP-invariant sums are for canonical rows: eager. Off CUDA
+        the graphs' computation runs eagerly through their buffers (the tests' twin)."""
+        config = self.config
+        max_batch = min(config.max_num_seqs, 256)
+        canonical_lane = config.enable_determinism and not self.ride
+        buckets = set(decode_buckets(max(max_batch, self.canonical.base)))
+        invariant = self.model.gemms.invariant
+        pieces = config.tp_invariant_chunks is None
+        spec = GraphSpec(
+            max_batch=max_batch,
+            canonical_sizes=tuple(s for s in self.canonical.sizes if s in buckets) if canonical_lane else (),
+            max_blocks=cdiv(self.max_positions, config.block_size),
+            max_seq_len=self.max_positions,
+            invariant_decode=self.ride and any(p != self.model.gemms.fast for p in (invariant or {}).values()),
+            canonical_invariant=invariant is not None,
+            piece_buckets=tuple(piece_buckets(config.max_num_batched_tokens, self.canonical.sizes if self.ride else None))
+            if pieces else (),
+            pieces_invariant=self.ride,
+        )
+        if self.workers is not None:
+            self.workers.capture_graphs(spec)  # they capture beside rank 0: the warm-ups' collectives meet
+        self.runner.graphs, self.runner.pieces = spec.capture(self.model, self.kv_cache)
 
     def _prove_gemms(self, sizes: PassSizes) -> None:
         """Prove, per weight shape, a GEMM path that gives a row the same bits at every pass

@@ -17,6 +17,10 @@ capture; rows with shorter contexts skip the empty tiles. Sampling stays outside
   sequence); unused slots have no query rows, so the attention kernel skips them. Its
   schedule depends on positions only, so replaying it gives the eager canonical pass's bits
   (tests/test_gpu.py checks this).
+
+Under tensor parallelism every rank captures the same graphs from the same ``GraphSpec``
+(the collectives inside them too) and replays the one rank 0's plan names. Off CUDA there
+is nothing to capture: ``replay`` computes what the graph would (the CPU tests, gloo).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 
 from sid.model.decoder import CausalLM
 from sid.runtime.attention import AttentionMetadata, PagedKVCache
+from sid.runtime.piecewise_graphs import PieceGraphs
 from sid.runtime.transfer import upload
 
 
@@ -46,6 +51,41 @@ class GraphShape:
     seqs: int
     canonical: bool
     invariant: bool = False
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """Which graphs an engine captures: ``CUDAGraphs``' settings, and the piece buckets of
+    passes with prompt rows (none: those run eagerly) with their GEMM paths. Every rank of
+    a tensor-parallel group builds its graphs from rank 0's spec."""
+
+    max_batch: int
+    canonical_sizes: tuple[int, ...]
+    max_blocks: int
+    max_seq_len: int
+    invariant_decode: bool
+    canonical_invariant: bool
+    piece_buckets: tuple[int, ...]
+    pieces_invariant: bool
+
+    def capture(self, model: CausalLM, kv_cache: PagedKVCache) -> tuple[CUDAGraphs, PieceGraphs | None]:
+        """Build and capture the graphs over ``model`` and ``kv_cache``."""
+        graphs = CUDAGraphs(
+            model,
+            kv_cache,
+            max_batch=self.max_batch,
+            canonical_sizes=self.canonical_sizes,
+            max_blocks=self.max_blocks,
+            max_seq_len=self.max_seq_len,
+            invariant_decode=self.invariant_decode,
+            canonical_invariant=self.canonical_invariant,
+        )
+        graphs.capture()
+        if not self.piece_buckets:
+            return graphs, None
+        pieces = PieceGraphs(model, kv_cache, self.piece_buckets, invariant=self.pieces_invariant)
+        pieces.capture()
+        return graphs, pieces
 
 
 class CUDAGraphs:
@@ -86,6 +126,7 @@ class CUDAGraphs:
         self.canonical_seqs = torch.zeros(seqs, dtype=torch.int32, device=device)
         self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
         self.logits: dict[GraphShape, torch.Tensor] = {}
+        self.captured = False
 
     def canonical_shape(self, rows: int) -> GraphShape:
         return GraphShape(rows, rows + 1, True, self.canonical_invariant)
@@ -130,7 +171,9 @@ class CUDAGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Record every graph (largest first, so smaller ones reuse the pool's blocks)."""
+        """Record every graph (largest first, so smaller ones reuse the pool's blocks); off CUDA, none."""
+        if self.input_ids.device.type != "cuda":
+            return
         pool = torch.cuda.graph_pool_handle()
         for shape in sorted(self.shapes, key=lambda s: s.rows, reverse=True):
             self.load_placeholder(shape)
@@ -141,6 +184,7 @@ class CUDAGraphs:
                 self.logits[shape] = self.forward(shape)
             self.graphs[shape] = graph
         torch.cuda.synchronize()
+        self.captured = True
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -201,5 +245,7 @@ class CUDAGraphs:
         return shape
 
     def replay(self, shape: GraphShape) -> torch.Tensor:
+        if not self.captured:
+            return self.forward(shape)
         self.graphs[shape].replay()
         return self.logits[shape]

@@ -34,10 +34,10 @@ from sid.runtime.model_runner import StepInputs
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 """How long the store waits for a peer; the engine's collectives wait ``collective_timeout_s``."""
 
-STEP, KV_CACHE, STOP, GEMMS = 1, 2, 3, 4
+STEP, KV_CACHE, STOP, GEMMS, GRAPHS = 1, 2, 3, 4, 5
 """Control message kinds: run a forward pass, (re)allocate the KV cache, exit, take the
-proven GEMM paths (from the store)."""
-_ALL_CANONICAL, _PER_SEQUENCE, _INVARIANT, _ALL_LOGITS = 1, 2, 4, 8
+proven GEMM paths (from the store), capture the CUDA graphs (their spec in the store)."""
+_ALL_CANONICAL, _PER_SEQUENCE, _INVARIANT, _ALL_LOGITS, _GRAPHED = 1, 2, 4, 8, 16
 """Bits of a step header's flags: every sequence canonical, per-sequence flags follow,
 row-invariant GEMMs, every row's logits (``logit_rows`` is None)."""
 _HEADER = 8
@@ -161,6 +161,7 @@ class ControlChannel:
             | _PER_SEQUENCE * (per_seq is not None)
             | _INVARIANT * step.invariant
             | _ALL_LOGITS * (logit_rows is None)
+            | _GRAPHED * step.graphed
         )
         parts = (
             step.input_ids,
@@ -223,7 +224,7 @@ class ControlReceiver:
         return True
 
     def recv(self) -> tuple[int, int | StepInputs]:
-        """``(STEP, plan)``, ``(KV_CACHE, num_blocks)``, ``(GEMMS, 0)`` or ``(STOP, 0)``
+        """``(STEP, plan)``, ``(KV_CACHE, num_blocks)``, ``(GEMMS, 0)``, ``(GRAPHS, 0)`` or ``(STOP, 0)``
         (also at the end of input)."""
         if not self._read(self.header):
             return STOP, 0
@@ -261,4 +262,5 @@ class ControlReceiver:
             logit_rows=None if flags & _ALL_LOGITS else logit_rows,
             canonical_seqs=per_seq,
             invariant=bool(flags & _INVARIANT),
+            graphed=bool(flags & _GRAPHED),
         )

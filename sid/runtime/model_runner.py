@@ -86,6 +86,8 @@ class StepInputs:
     """Rank 0 only: each sequence's identity (its request's arrival; -1 for padding), so the
     plan channel sends a block-table row as the entries that changed since that sequence's
     last pass. Workers never need it."""
+    graphed: bool = False
+    """A captured graph runs the pass (``CUDAGraphs``; every rank replays its own)."""
 
 
 @dataclass
@@ -397,26 +399,11 @@ class ModelRunner:
         targets, prompt_index_t = (
             upload(self.device, [[t for _, t, _ in prompt_rows], rows.prompt_index], torch.int64) if prompt_rows else (None, None)
         )
-        if self._graph_runs(canonical, bool(prompt_rows), len(input_ids), len(chunks), ride):
-            assert not canonical or index is None  # the canonical graph computes every row's logits
-            # A decode graph computes every row's logits; keep the sampled rows (usually all).
-            gather = None if index is None or index == list(range(len(index))) else upload(self.device, [index], torch.int64)[0]
-            graphs = self.graphs
-            assert graphs is not None
-            key = graphs.load(
-                input_ids, positions, *layout, canonical=canonical, invariant=invariant, canonical_seqs=rows.canonical_seqs
-            )
-            if fed is not None:
-                fed.resolve(graphs.input_ids[: len(input_ids)])
-            logits = graphs.replay(key)
-            if gather is not None:
-                logits = logits[gather]
-            elif index is not None:
-                logits = logits[: len(index)]
-        else:
-            keys = [c.request.arrival for c in chunks] + [-1] * bool(rows.pad)
-            step = StepInputs(input_ids, positions, *layout, canonical, index, rows.canonical_seqs, invariant, keys)
-            logits = self.forward(step, fed)
+        graphed = self._graph_runs(canonical, bool(prompt_rows), len(input_ids), len(chunks), ride)
+        assert not graphed or not canonical or index is None  # the canonical graph computes every row's logits
+        keys = [c.request.arrival for c in chunks] + [-1] * bool(rows.pad)
+        step = StepInputs(input_ids, positions, *layout, canonical, index, rows.canonical_seqs, invariant, keys, graphed)
+        logits = self.forward(step, fed)
         if logits is None:
             return launched
         if FAULTS.canonical_cross_row and (canonical or ride):  # rows that see their company
@@ -483,24 +470,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: StepInputs, fed: TokenFeed | None = None) -> torch.Tensor | None:
-        """Every rank's part of a pass: the model over its rows, then the logits of
-        ``step.logit_rows`` (None when there are none). Rank 0 sends the step to the workers
-        first. Placeholders among the inputs (overlapped scheduling) are resolved from ``fed``
-        on rank 0, which broadcasts the resolved ids to the workers on the device: the plan
-        they got holds the same placeholders, so every rank knows to take part."""
+        """Every rank's part of a pass: the model over its rows (a captured graph's replay when
+        ``step.graphed``), then the logits of ``step.logit_rows`` (None when there are none).
+        Rank 0 sends the step to the workers first; ``fed`` resolves placeholder ids (``_resolve``)."""
         with self.workers.running(step) if self.workers is not None else nullcontext():
+            if step.graphed:
+                return self._replay(step, fed)
             width = step.block_tables.shape[1]
             qsl = step.query_start_loc
             ids, positions, slots, logit_rows = upload(
                 self.device, [step.input_ids, step.positions, step.slots, step.logit_rows or []], torch.int64
             )
-            if fed is not None:
-                fed.resolve(ids)
-            # Rank 0 has a feed exactly when its inputs hold placeholders (``TokenFeed.check``);
-            # a worker has none, and reads the same placeholders in its plan.
-            tp = self.model.tp
-            if tp is not None and (fed is not None or (self.workers is None and min(step.input_ids, default=0) < 0)):
-                tp.broadcast_from_first(ids)
+            self._resolve(ids, step, fed)
             flags = step.canonical_seqs
             seq_lens, query_start_loc, tables, canonical_seqs = upload(
                 self.device, [step.seq_lens, qsl, step.block_tables, flags or ()], torch.int32
@@ -532,6 +513,39 @@ class ModelRunner:
                 return None
             gemms.select(step.invariant, head)
             return self.model.compute_logits(hidden[logit_rows])
+
+    def _resolve(self, ids: torch.Tensor, step: StepInputs, fed: TokenFeed | None) -> None:
+        """Placeholders among the pass's ids (overlapped scheduling) resolved from ``fed`` on
+        rank 0, which broadcasts the resolved ids to the workers on the device: the plan they
+        got holds the same placeholders, so every rank knows to take part."""
+        if fed is not None:
+            fed.resolve(ids)
+        # Rank 0 has a feed exactly when its inputs hold placeholders (``TokenFeed.check``);
+        # a worker has none, and reads the same placeholders in its plan.
+        tp = self.model.tp
+        if tp is not None and (fed is not None or (self.workers is None and min(step.input_ids, default=0) < 0)):
+            tp.broadcast_from_first(ids)
+
+    def _replay(self, step: StepInputs, fed: TokenFeed | None) -> torch.Tensor | None:
+        """The pass from its captured graph: a decode graph computes every row's logits (the
+        sampled rows are kept, usually all), a canonical graph every row's, padding included."""
+        graphs = self.graphs
+        assert graphs is not None, "a plan names a graph this rank has not captured"
+        shape = graphs.load(
+            step.input_ids, step.positions, np.asarray(step.slots), step.block_tables, step.seq_lens,
+            step.query_start_loc, canonical=step.canonical, invariant=step.invariant,
+            canonical_seqs=step.canonical_seqs,
+        )  # fmt: skip
+        self._resolve(graphs.input_ids[: len(step.input_ids)], step, fed)
+        logits = graphs.replay(shape)
+        index = step.logit_rows
+        if index is None:
+            return logits
+        if not index:
+            return None
+        if index == list(range(len(index))):
+            return logits[: len(index)]
+        return logits[upload(self.device, [index], torch.int64)[0]]
 
     def _splits(self, step: StepInputs) -> tuple[RowSplit | None, RowSplit | None]:
         """The canonical rows of a ride pass (its deterministic sequences'), among all rows and

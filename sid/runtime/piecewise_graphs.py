@@ -13,8 +13,9 @@ and the next piece reads it.
 Rows past the pass's own, up to the bucket, are padding: their slots write nothing and no
 sequence holds them, so attention leaves them alone, and every other kernel keeps rows
 apart. Where deterministic rows ride, the graphs take the proven GEMM paths for every row
-(as the decode graphs do) and the buckets are proven pass sizes, so a riding row gets the
-bits it gets in any other proven pass.
+(as the decode graphs do), and under tensor parallelism their cross-rank sums take the fixed
+order; the buckets are proven pass sizes, so a riding row gets the bits it gets in any other
+proven pass.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class PieceGraphs:
         self.out = torch.zeros_like(self.q)
         self.hidden = torch.zeros((rows, cfg.hidden_size), dtype=dtype, device=device)
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.captured = False
 
     def bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
@@ -85,7 +87,10 @@ class PieceGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Record every bucket's pieces, largest first (smaller ones reuse the pool's blocks).
-        Each is run once before, on padding rows only: kernels compile, workspaces size."""
+        Each is run once before, on padding rows only: kernels compile, workspaces size. Off
+        CUDA there is nothing to capture: ``run`` then computes what the pieces would."""
+        if self.input_ids.device.type != "cuda":
+            return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for bucket in reversed(self.buckets):
@@ -99,9 +104,12 @@ class PieceGraphs:
                 pieces[-1].capture_end()
             torch.cuda.synchronize()
             self.pieces[bucket] = pieces
+        self.captured = True
 
     def run(self, rows: int, bucket: int) -> torch.Tensor:
         """Replay ``bucket``'s pieces over the loaded ``rows``, attention between them."""
+        if not self.captured:
+            return self.forward(rows, bucket)
         pieces = self.pieces[bucket]
         for layer, piece in enumerate(pieces[:-1]):
             piece.replay()
@@ -117,8 +125,6 @@ class _Cut:
     layer's piece there and begins the next instead. (None alone: a warm-up of padding rows,
     whose output is whatever the buffer holds.)"""
 
-    canonical = False  # no collectives: pieces run without tensor parallelism
-
     def __init__(
         self,
         owner: PieceGraphs,
@@ -127,6 +133,8 @@ class _Cut:
         graphs: tuple[list[torch.cuda.CUDAGraph], tuple[int, int]] | None = None,
     ) -> None:
         self.owner, self.bucket, self.attend, self.graphs = owner, bucket, attend, graphs
+        # Under TP, pieces that may carry riding rows sum across ranks in the fixed order.
+        self.canonical = owner.invariant
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         o, n = self.owner, self.bucket

@@ -5,8 +5,9 @@ is a fresh interpreter running ``worker_main``: never forked, so no CUDA state i
 inherited, and unlike ``multiprocessing``'s spawn it never re-runs the user's main script
 (scripts need no ``if __name__ == "__main__"`` guard). It reads its ``WorkerSpec`` from
 the store, builds its own shard of the model and its own KV cache (its KV heads; the
-block count rank 0 chose), then loops: receive a plan, run its part of the forward pass,
-take part in the collectives. Plans arrive through a pipe (``ControlChannel``).
+block count rank 0 chose) and, on CUDA, the CUDA graphs rank 0 captures, then loops:
+receive a plan, run its part of the forward pass (replaying the graph the plan names), take
+part in the collectives. Plans arrive through a pipe (``ControlChannel``).
 
 A worker that dies must become a clear error in the engine, never a hang: rank 0 polls
 the workers' exit codes before each step, and when a collective fails it names the dead
@@ -36,9 +37,11 @@ from sid.engine.plan import PassSizes
 from sid.model.config import ModelConfig
 from sid.model.loader import build_model
 from sid.runtime.attention import PagedKVCache, get_backend
+from sid.runtime.cuda_graphs import GraphSpec
 from sid.runtime.distributed import (
     COLLECTIVE_TIMEOUT,
     GEMMS,
+    GRAPHS,
     KV_CACHE,
     STEP,
     STOP,
@@ -133,6 +136,10 @@ def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore, control: ControlRe
             runner = None  # free the old cache before allocating the new one
             cache = PagedKVCache.for_model(backend, model, arg, spec.block_size, spec.dtype, device)
             runner = ModelRunner(model, cache, spec.block_size, device, spec.canonical)
+        elif kind == GRAPHS:
+            assert runner is not None
+            graphs: GraphSpec = pickle.loads(store.get(f"{_KEY}/graphs"))
+            runner.graphs, runner.pieces = graphs.capture(model, runner.kv_cache)
         else:
             assert kind == STEP and isinstance(arg, StepInputs) and runner is not None
             runner.forward(arg)
@@ -194,6 +201,12 @@ class TPWorkers:
         """Every worker (re)allocates its KV cache with ``num_blocks`` blocks of its KV heads."""
         self._raise_if_dead()
         self.control.send(KV_CACHE, num_blocks)
+
+    def capture_graphs(self, spec: GraphSpec) -> None:
+        """Every worker captures the graphs of ``spec`` over its shard and cache."""
+        self._raise_if_dead()
+        self.store.set(f"{_KEY}/graphs", pickle.dumps(spec))
+        self.control.send(GRAPHS)
 
     @contextmanager
     def running(self, step: StepInputs) -> Iterator[None]:
