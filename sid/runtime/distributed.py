@@ -39,7 +39,7 @@ STEP, KV_CACHE, STOP, GEMMS, GRAPHS = 1, 2, 3, 4, 5
 proven GEMM paths (from the store), capture the CUDA graphs (their spec in the store)."""
 _ALL_CANONICAL, _PER_SEQUENCE, _INVARIANT, _ALL_LOGITS, _GRAPHED = 1, 2, 4, 8, 16
 """Bits of a step header's flags: every sequence canonical, per-sequence flags follow,
-row-invariant GEMMs, every row's logits (``logit_rows`` is None)."""
+row-invariant GEMMs, every row's logits (``logit_rows`` is None), a captured graph runs it."""
 _HEADER = 8
 """A message's first int64s: kind, rows (or the argument), sequences, table width, logit
 rows, flags, patched table entries, and how many int64s follow."""
