@@ -39,7 +39,7 @@ def engine(trained_model: Path, windowed_lane: None) -> LLMEngine:
     return engine
 
 
-def graphs_for(engine: LLMEngine, invariant_decode: bool = False) -> CUDAGraphs:
+def graphs_for(engine: LLMEngine, riding: bool = False, invariant_decode: bool = False) -> CUDAGraphs:
     max_positions = max(engine.max_model_len, engine.canonical.max)
     graphs = CUDAGraphs(
         engine.model,
@@ -48,6 +48,7 @@ def graphs_for(engine: LLMEngine, invariant_decode: bool = False) -> CUDAGraphs:
         canonical_sizes=engine.canonical.sizes[:2],
         max_blocks=cdiv(max_positions, engine.config.block_size),
         max_seq_len=max_positions,
+        riding=riding,
         invariant_decode=invariant_decode,
         canonical_invariant=engine.model.gemms.invariant is not None,
     )
@@ -164,7 +165,7 @@ def test_a_riding_decode_step_through_the_graph_buffers_has_the_eager_bits(train
     chunks = [ScheduledChunk(r, r.num_computed_tokens, 1) for r in running]
     engine.runner.ride = True
     eager = run(engine, chunks, None, canonical=False)
-    graphs = graphs_for(engine, invariant_decode=True)
+    graphs = graphs_for(engine, riding=True, invariant_decode=True)
     graphed = run(engine, chunks, graphs, canonical=False)
     assert graphs.canonical_seqs[: len(chunks)].tolist() == [int(c.request.deterministic) for c in chunks]
     for chunk, a, b in zip(chunks, eager, graphed):

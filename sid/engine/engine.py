@@ -218,6 +218,7 @@ class LLMEngine:
             canonical_sizes=tuple(s for s in self.canonical.sizes if s in buckets) if canonical_lane else (),
             max_blocks=cdiv(self.max_positions, config.block_size),
             max_seq_len=self.max_positions,
+            riding=self.ride,
             invariant_decode=self.ride and any(p != self.model.gemms.fast for p in (invariant or {}).values()),
             canonical_invariant=invariant is not None,
             piece_buckets=tuple(piece_buckets(config.max_num_batched_tokens, self.canonical.sizes if self.ride else None))

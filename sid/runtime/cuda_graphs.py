@@ -63,6 +63,7 @@ class GraphSpec:
     canonical_sizes: tuple[int, ...]
     max_blocks: int
     max_seq_len: int
+    riding: bool
     invariant_decode: bool
     canonical_invariant: bool
     piece_buckets: tuple[int, ...]
@@ -77,6 +78,7 @@ class GraphSpec:
             canonical_sizes=self.canonical_sizes,
             max_blocks=self.max_blocks,
             max_seq_len=self.max_seq_len,
+            riding=self.riding,
             invariant_decode=self.invariant_decode,
             canonical_invariant=self.canonical_invariant,
         )
@@ -91,9 +93,11 @@ class GraphSpec:
 class CUDAGraphs:
     """The captured graphs over one set of static input buffers: ``load`` (or
     ``load_placeholder``) fills the buffers for a graph's shape, ``replay`` runs it.
-    ``invariant_decode``: decode steps that carry deterministic rows need graphs of their own
-    (the row-invariant GEMM paths differ from the fast ones); ``canonical_invariant``: the
-    canonical graphs take the row-invariant paths."""
+    ``riding``: decode steps may carry deterministic rows (else their graphs launch the fast
+    attention schedule alone, and under TP sum across ranks as the fast lane does);
+    ``invariant_decode``: those steps need graphs of their own (the row-invariant GEMM paths
+    differ from the fast ones); ``canonical_invariant``: the canonical graphs take the
+    row-invariant paths."""
 
     def __init__(
         self,
@@ -104,11 +108,13 @@ class CUDAGraphs:
         canonical_sizes: Sequence[int] = (),
         max_blocks: int,
         max_seq_len: int,
+        riding: bool = False,
         invariant_decode: bool = False,
         canonical_invariant: bool = False,
     ) -> None:
         self.model, self.kv_cache = model, kv_cache
         self.max_seq_len = max_seq_len
+        self.riding = riding
         self.buckets = decode_buckets(max_batch)
         self.invariant_decode, self.canonical_invariant = invariant_decode, canonical_invariant
         variants = (False, True) if invariant_decode else (False,)
@@ -144,7 +150,7 @@ class CUDAGraphs:
             max_seq_len=self.max_seq_len,
             canonical=True if shape.canonical else self.canonical_seqs[: shape.seqs],
             # Where deterministic rows have graphs of their own, the others hold fast rows only.
-            schedules=(True, shape.invariant or not self.invariant_decode),
+            schedules=(True, self.riding and (shape.invariant or not self.invariant_decode)),
         )
 
     def forward(self, shape: GraphShape) -> torch.Tensor:
