@@ -212,6 +212,7 @@ class LLMEngine:
         canonical_lane = config.enable_determinism and not self.ride
         buckets = set(decode_buckets(max(max_batch, self.canonical.base)))
         invariant = self.model.gemms.invariant
+        riding_sizes = self.canonical.sizes if self.ride else None
         pieces = config.tp_invariant_chunks is None
         spec = GraphSpec(
             max_batch=max_batch,
@@ -221,8 +222,7 @@ class LLMEngine:
             riding=self.ride,
             invariant_decode=self.ride and any(p != self.model.gemms.fast for p in (invariant or {}).values()),
             canonical_invariant=invariant is not None,
-            piece_buckets=tuple(piece_buckets(config.max_num_batched_tokens, self.canonical.sizes if self.ride else None))
-            if pieces else (),
+            piece_buckets=tuple(piece_buckets(config.max_num_batched_tokens, riding_sizes)) if pieces else (),
             pieces_invariant=self.ride,
         )
         if self.workers is not None:

@@ -25,6 +25,8 @@ is nothing to capture: ``replay`` computes what the graph would (the CPU tests, 
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +37,8 @@ from sid.model.decoder import CausalLM
 from sid.runtime.attention import AttentionMetadata, PagedKVCache
 from sid.runtime.piecewise_graphs import PieceGraphs
 from sid.runtime.transfer import upload
+
+logger = logging.getLogger(__name__)
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -71,6 +75,7 @@ class GraphSpec:
 
     def capture(self, model: CausalLM, kv_cache: PagedKVCache) -> tuple[CUDAGraphs, PieceGraphs | None]:
         """Build and capture the graphs over ``model`` and ``kv_cache``."""
+        start = time.perf_counter()
         graphs = CUDAGraphs(
             model,
             kv_cache,
@@ -83,10 +88,15 @@ class GraphSpec:
             canonical_invariant=self.canonical_invariant,
         )
         graphs.capture()
-        if not self.piece_buckets:
-            return graphs, None
-        pieces = PieceGraphs(model, kv_cache, self.piece_buckets, invariant=self.pieces_invariant)
-        pieces.capture()
+        pieces = None
+        if self.piece_buckets:
+            pieces = PieceGraphs(model, kv_cache, self.piece_buckets, invariant=self.pieces_invariant)
+            pieces.capture()
+        if graphs.captured:
+            logger.info(
+                "captured %d CUDA graphs and the pieces of %d prompt-pass buckets in %.1f s",
+                len(graphs.graphs), len(self.piece_buckets), time.perf_counter() - start,
+            )  # fmt: skip
         return graphs, pieces
 
 

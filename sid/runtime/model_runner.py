@@ -402,7 +402,9 @@ class ModelRunner:
         graphed = self._graph_runs(canonical, bool(prompt_rows), len(input_ids), len(chunks), ride)
         assert not graphed or not canonical or index is None  # the canonical graph computes every row's logits
         keys = [c.request.arrival for c in chunks] + [-1] * bool(rows.pad)
-        step = StepInputs(input_ids, positions, *layout, canonical, index, rows.canonical_seqs, invariant, keys, graphed)
+        step = StepInputs(
+            input_ids, positions, *layout, canonical, index, rows.canonical_seqs, invariant, keys, graphed
+        )
         logits = self.forward(step, fed)
         if logits is None:
             return launched
@@ -537,15 +539,15 @@ class ModelRunner:
             canonical_seqs=step.canonical_seqs,
         )  # fmt: skip
         self._resolve(graphs.input_ids[: len(step.input_ids)], step, fed)
-        logits = graphs.replay(shape)
         index = step.logit_rows
+        # Uploaded before the replay: a copy issued behind it could wait for the GPU.
+        gather = upload(self.device, [index], torch.int64)[0] if index and index != list(range(len(index))) else None
+        logits = graphs.replay(shape)
         if index is None:
             return logits
         if not index:
             return None
-        if index == list(range(len(index))):
-            return logits[: len(index)]
-        return logits[upload(self.device, [index], torch.int64)[0]]
+        return logits[gather] if gather is not None else logits[: len(index)]
 
     def _splits(self, step: StepInputs) -> tuple[RowSplit | None, RowSplit | None]:
         """The canonical rows of a ride pass (its deterministic sequences'), among all rows and
