@@ -5,7 +5,7 @@ which every row sits at the given context. The floor is (weight bytes + K/V byte
 bandwidth, with the bandwidth measured in the same run by reading a large bf16 tensor.
 Combinations whose K/V does not fit in the engine's pool are reported as skipped.
 On the CPU (``--smoke``) there are no CUDA graphs: the same static buffers and ``load``
-feed the graph's computation run eagerly (``CUDAGraphs.forward``).
+feed the graph's computation, which ``replay`` runs eagerly when nothing was captured.
 
     python benchmarks/decode_roofline.py --model llama-3.1-8b      # H200
     python benchmarks/decode_roofline.py --smoke                   # CPU, tiny model, seconds
@@ -59,7 +59,6 @@ def main() -> None:
         max_blocks = cdiv(engine.max_model_len, engine.config.block_size)
         graphs = CUDAGraphs(engine.model, engine.kv_cache, max_batch=max(batches), max_blocks=max_blocks,
                             max_seq_len=engine.max_model_len)
-    step = graphs.replay if graphs.graphs else graphs.forward
     cache = engine.kv_cache
     for t in cache.k + cache.v:
         t.normal_()  # never time on zeros
@@ -77,11 +76,11 @@ def main() -> None:
             tables = np.arange(b * per_seq, dtype=np.int32).reshape(b, per_seq)
             slots = tables[:, (ctx - 1) // bs].astype(np.int64) * bs + (ctx - 1) % bs
             bucket = graphs.load([1] * b, [ctx - 1] * b, slots, tables, [ctx] * b)
-            seconds = device_time(lambda: step(bucket), device, iters=30)
+            seconds = device_time(lambda: graphs.replay(bucket), device, iters=30)
             floor = (weight_bytes + b * ctx * kv_token_bytes) / bw
             rows.append({"batch": b, "context": ctx, "step_ms": seconds * 1e3, "floor_ms": floor * 1e3,
                          "of_floor": floor / seconds, "tok_s": b / seconds, "status": "ok"})
-    meta = {"model": args.model, "gpu": device_name(device), "cuda_graphs": bool(graphs.graphs),
+    meta = {"model": args.model, "gpu": device_name(device), "cuda_graphs": graphs.captured,
             "bandwidth_TBps": bw / 1e12, "weight_GB": weight_bytes / 1e9, "kv_bytes_per_token": kv_token_bytes}
     out = write_json("decode_roofline", {**meta, "rows": rows}, args.out)
     print(f"{args.model} on {meta['gpu']}: read bandwidth {bw / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.1f} GB")
