@@ -55,7 +55,7 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
         out = torch.empty((num_rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     if num_rows > 0:
         block = min(_MAX_BLOCK, triton.next_power_of_2(inter))
-        _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](
+        _silu_and_mul_kernel[(num_rows, -(-inter // block))](
             gate_up,
             out,
             *gate_up.stride(),
