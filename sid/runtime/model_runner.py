@@ -498,10 +498,10 @@ class ModelRunner:
                 canonical=step.canonical if flags is None else canonical_seqs,
                 schedules=(True, True) if flags is None else (not all(flags), any(flags)),
             )
-            body, head = self._splits(step)
             gemms = self.model.gemms
             pieces, rows = self.pieces, len(step.input_ids)
             bucket = pieces.bucket(rows) if pieces is not None and not step.canonical else None
+            body, head = self._splits(step, body=bucket is None)
             if pieces is not None and bucket is not None:
                 assert pieces.invariant or not step.invariant, "riding rows need pieces on the proven GEMMs"
                 pieces.load(ids, positions, slots, bucket)
@@ -549,18 +549,19 @@ class ModelRunner:
             return None
         return logits[gather] if gather is not None else logits[: len(index)]
 
-    def _splits(self, step: StepInputs) -> tuple[RowSplit | None, RowSplit | None]:
-        """The canonical rows of a ride pass (its deterministic sequences'), among all rows and
-        among the logit rows: the proven GEMMs run only those (``Gemms.linear``). None where
-        every row is canonical, as in canonical passes (and CUDA graphs, ``CUDAGraphs.forward``)."""
+    def _splits(self, step: StepInputs, body: bool) -> tuple[RowSplit | None, RowSplit | None]:
+        """The canonical rows of a ride pass (its deterministic sequences'), among all rows
+        (when the ``body`` runs eagerly: graphs run every row on the proven paths) and among the
+        logit rows: the proven GEMMs run only those (``Gemms.linear``). None where every row is
+        canonical, as in canonical passes (and CUDA graphs, ``CUDAGraphs.forward``)."""
         if not step.invariant or step.canonical_seqs is None:
             return None, None
         rows = np.repeat(np.array(step.canonical_seqs, dtype=bool), np.diff(step.query_start_loc))
+        if rows.all():
+            return None, None
         gemms = self.model.gemms
-        body = gemms.split_of(rows, self.device)
-        if body is None or not step.logit_rows:
-            return body, None
-        return body, gemms.split_of(rows[step.logit_rows], self.device)
+        head = gemms.split_of(rows[step.logit_rows], self.device) if step.logit_rows else None
+        return gemms.split_of(rows, self.device) if body else None, head
 
     def _fast_lane_faults(
         self, logits: torch.Tensor, num_rows: int, chunks: Sequence[ScheduledChunk], rows: PassRows
