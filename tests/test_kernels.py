@@ -11,8 +11,13 @@ projection, as the model hands them over.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +39,8 @@ BLOCK_SIZE = 16
 JUNK_BLOCK = 1 << 30
 """Block-table entry past a sequence's blocks: any read of it faults or fails the test."""
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+SM90_SHARED_BYTES = 232_448
+"""Shared memory one program may ask for on sm_90: 227 KiB, the H200's limit."""
 SPLIT = 1024
 """Canonical split boundary in these tests: the batches below put rows and chunks on both
 sides of it. The default split is larger; the split size is a runtime argument of the same
@@ -489,3 +496,17 @@ def test_canonical_bits_do_not_depend_on_how_splits_are_spread(monkeypatch: pyte
         monkeypatch.setattr(attention, "_COMBINE_DIMS", dims)
         assert torch.equal(attention.paged_attention(*batch.args(pool), 0.125, canonical=True), a), f"{dims} dims"
     _close(a, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
+
+
+def test_prompt_launches_fit_in_sm90_shared_memory() -> None:
+    """Both schedules' prompt launches, float32 and bf16, ask for no more shared memory than
+    sm_90 grants a program, lowered for sm_90 on this machine (``tests/sm90_shared_memory.py``,
+    a process without the interpreter). The canonical one asked for 263 KB in float32 before
+    it ran one stage, and the H200 refused it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("sm90_shared_memory.py")
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.splitlines()[-1])
+    assert len(found) == 4
+    assert all(0 < need <= SM90_SHARED_BYTES for need in found.values()), found
