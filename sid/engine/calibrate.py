@@ -25,16 +25,20 @@ from __future__ import annotations
 import logging
 import time
 from itertools import count
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from sid.engine.kv_cache import KVCacheManager, cdiv
 from sid.engine.plan import PassSizes, ScheduledChunk
-from sid.engine.windowed import MeasuredPassCost
-from sid.engine.selftest import synthetic_request
+from sid.engine.selftest import self_test, synthetic_request
+from sid.engine.windowed import GPU_COST, MeasuredPassCost, WindowedLane
 from sid.runtime.model_runner import ModelRunner
 from sid.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from sid.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,36 @@ _PROMPT_ROWS = (16, 256, 1024)
 _GREEDY = SamplingParams(temperature=0.0)
 """Timed passes choose their tokens greedily: a top-p sort over the vocabulary for every
 row would cost more than a small model's whole pass and drown the difference between passes."""
+
+
+def calibrate(engine: LLMEngine, windowed: WindowedLane) -> None:
+    """The last of start-up, on the built engine: with determinism, the self-test (which
+    fixes the canonical pass sizes) and, for a GPU's windowed lane, the passes its scheduler
+    weighs; on a GPU the prompt shapes' kernels compile before any request meets them."""
+    config, runner, kv, domain = engine.config, engine.runner, engine.kv, engine.canonical_domain
+    cuda = engine.device.type == "cuda"
+    chunk_len = min(1024, engine.max_model_len - 1)
+    timed = cuda and config.enable_determinism and not engine.ride
+    if config.enable_determinism:
+        engine.canonical = self_test(runner, kv, domain, engine.max_model_len)
+        windowed.canonical = runner.canonical = engine.canonical
+        windowed.graph_rows = max((s for s in engine.canonical.sizes if runner.graphed(s)), default=0)
+        windowed.fast_graph_rows = runner.graphs.buckets[-1] if runner.graphs is not None else 0
+        if timed:
+            measured = measure_pass_costs(
+                runner,
+                kv,
+                domain,
+                fast_graph_rows=windowed.fast_graph_rows,
+                graph_rows=windowed.graph_rows,
+                max_rows=config.max_num_batched_tokens,
+                chunk_len=chunk_len,
+                context=min(1024, engine.max_model_len // 2),
+                launches=4 if engine.async_scheduling else 1,  # lockstep: a pass's host and GPU time add up
+            )
+            windowed.cost_model = measured or GPU_COST
+    if cuda and not timed:  # timing the passes compiled their kernels
+        warm_up(runner, kv, domain, max_rows=config.max_num_batched_tokens, chunk_len=chunk_len)
 
 
 def measure_pass_costs(

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from sid.config import EngineConfig
-from sid.engine.calibrate import measure_pass_costs, warm_up
+from sid.engine.calibrate import calibrate
 from sid.engine.inflight import Planned, StepInFlight
-from sid.engine.fingerprint import numerics_fingerprint, processor, source_digest, weights_digest
+from sid.engine.fingerprint import numerics_config, numerics_fingerprint
 from sid.engine.inputs import InputProcessor, PromptType, eos_token_ids, load_tokenizer, router_policy
 from sid.engine.kv_cache import KVCacheManager, PrefixCacheStats, cdiv
 from sid.engine.memory import num_kv_blocks
@@ -25,7 +25,6 @@ from sid.engine.plan import PassSizes, ScheduledChunk, SchedulerStats, StepPlan
 from sid.engine.request import Request, RequestStatus
 from sid.engine.router import RequestContext, Router
 from sid.engine.scheduler import Scheduler
-from sid.engine.selftest import self_test
 from sid.engine.windowed import CPU_COST, GPU_COST, DeterminismStats, WindowedLane, verify
 from sid.model.config import ModelConfig
 from sid.model.decoder import Shard
@@ -155,7 +154,7 @@ class LLMEngine:
         self.scheduler.ride = self.runner.ride = self.ride
         if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_graphs()
-        self.numerics = self._numerics_config()
+        self.numerics = numerics_config(self)
         self.fingerprint = numerics_fingerprint(self.numerics)
         self.canonical_domain = f"canonical:{self.fingerprint}"
         self.inputs = InputProcessor(
@@ -176,28 +175,7 @@ class LLMEngine:
         self._steps = 0
         self._in_flight: StepInFlight | None = None
         self.async_scheduling = config.async_scheduling_for(self.device)
-        cuda_timed = self.device.type == "cuda" and config.enable_determinism and not self.ride
-        if config.enable_determinism:
-            self.canonical = self_test(self.runner, self.kv, self.canonical_domain, self.max_model_len)
-            windowed.canonical = self.runner.canonical = self.canonical
-            windowed.graph_rows = max((s for s in self.canonical.sizes if self.runner.graphed(s)), default=0)
-            windowed.fast_graph_rows = self.runner.graphs.buckets[-1] if self.runner.graphs is not None else 0
-            if cuda_timed:
-                measured = measure_pass_costs(
-                    self.runner,
-                    self.kv,
-                    self.canonical_domain,
-                    fast_graph_rows=windowed.fast_graph_rows,
-                    graph_rows=windowed.graph_rows,
-                    max_rows=config.max_num_batched_tokens,
-                    chunk_len=min(1024, self.max_model_len - 1),
-                    context=min(1024, self.max_model_len // 2),
-                    launches=4 if self.async_scheduling else 1,  # lockstep: a pass's host and GPU time add up
-                )
-                windowed.cost_model = measured or GPU_COST
-        if self.device.type == "cuda" and not cuda_timed:  # timing the passes compiled their kernels
-            warm_up(self.runner, self.kv, self.canonical_domain, max_rows=config.max_num_batched_tokens,
-                    chunk_len=min(1024, self.max_model_len - 1))
+        calibrate(self, windowed)
         self.kv.stats = PrefixCacheStats()
 
     def capture_graphs(self) -> None:
@@ -276,27 +254,6 @@ class LLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-    def _numerics_config(self) -> dict[str, Any]:
-        """Everything that fixes canonical bits (DESIGN 3.2); see ``sid.engine.fingerprint``."""
-        from sid.kernels import triton_version
-
-        gemms = self.model.gemms
-        return {
-            # Rows keep their bits at every pass size under proven GEMMs, so M_canon fixes no bits then.
-            "canonical_rows": None if gemms.invariant is not None else self.canonical_rows,
-            "gemms": gemms.describe() if gemms.invariant is not None else str(gemms.fast),
-            "dtype": str(self.dtype),
-            "tensor_parallel_size": self.config.tensor_parallel_size,
-            "tp_invariant_chunks": self.config.tp_invariant_chunks,
-            "attention": self.backend.canonical_config(),
-            "sources": source_digest(),
-            "torch": torch.__version__,
-            "triton": triton_version(),
-            "processor": processor(self.device),
-            "weights": weights_digest(self.path, self.config.load_format, self.config.seed),
-            "architecture": self.model_config.architecture,
-        }
 
     # ----------------------------------------------------------------- requests
 

@@ -15,10 +15,13 @@ from __future__ import annotations
 import json
 import platform
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
+
+if TYPE_CHECKING:
+    from sid.engine.engine import LLMEngine
 
 _NUMERICS_SOURCES = (
     "kernels",
@@ -65,6 +68,28 @@ def processor(device: torch.device) -> dict[str, Any]:
     if cpuinfo.is_file():
         model = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")), model)
     return {"cpu": model, "isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+
+
+def numerics_config(engine: LLMEngine) -> dict[str, Any]:
+    """Everything of a built engine that fixes canonical bits (DESIGN 3.2)."""
+    from sid.kernels import triton_version
+
+    config, gemms = engine.config, engine.model.gemms
+    return {
+        # Rows keep their bits at every pass size under proven GEMMs, so M_canon fixes no bits then.
+        "canonical_rows": None if gemms.invariant is not None else engine.canonical_rows,
+        "gemms": gemms.describe() if gemms.invariant is not None else str(gemms.fast),
+        "dtype": str(engine.dtype),
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "tp_invariant_chunks": config.tp_invariant_chunks,
+        "attention": engine.backend.canonical_config(),
+        "sources": source_digest(),
+        "torch": torch.__version__,
+        "triton": triton_version(),
+        "processor": processor(engine.device),
+        "weights": weights_digest(engine.path, config.load_format, config.seed),
+        "architecture": engine.model_config.architecture,
+    }
 
 
 def numerics_fingerprint(config: dict[str, Any]) -> str:
