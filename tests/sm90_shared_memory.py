@@ -1,4 +1,4 @@
-"""Shared memory of the attention kernel's prompt launches, compiled for sm_90 on any machine.
+"""Shared memory of the attention kernel's prompt launches, lowered for sm_90 on any machine.
 
 Run by ``tests/test_kernels.py`` in a process of its own: Triton compiles only when its
 interpreter is off, and the test session has it on. No GPU is needed: Triton's pipeline
