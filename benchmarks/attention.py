@@ -3,7 +3,8 @@
 Checks the Triton kernels against the torch references at Llama-3.1-8B (32 q heads, 8 KV heads)
 and Qwen3-0.6B (16/8) attention shapes (head_dim 128, bf16, block_size 16), checks that
 canonical rows keep their bits in differently composed batches, then times decode steps
-(batch x context), prefills and a chunk after a cached prefix, for both schedules, with
+(batch x context; fast, canonical, and riding: every tenth sequence canonical), prefills and
+a chunk after a cached prefix, for both schedules, with
 ``triton.testing.do_bench`` (median).
 The floor is bytes moved over the HBM bandwidth measured in the same run (a ``sum`` over a
 ~4 GB bf16 tensor); for prefill also FLOPs over the bf16 matmul rate measured likewise.
@@ -42,6 +43,10 @@ DTYPE = torch.bfloat16
 TOLERANCE = 2e-2
 MEMORY_CAP = 60e9
 """Largest KV cache a timing case may allocate (bytes)."""
+RIDE_EVERY = 10
+"""The ``riding`` decode rows: every tenth sequence (the first included) attends canonically,
+the rest fast, as deterministic rows ride among normal ones (two launches, the canonical one
+beside the fast one on a GPU)."""
 SPLIT = CANONICAL_CONFIG["kv_split"]
 """Canonical split boundary: the checks put rows on both sides of it."""
 SMOKE_CONFIG = {"kv_tile": 32, "kv_split": 64}
@@ -271,12 +276,17 @@ def time_model(
         args = decode_case(pool_k, pool_v, heads, batch, ctx, device)
         out = torch.empty_like(args[0])
         floor_bytes = batch * ctx * kv_per_token + 2 * batch * heads * head_dim * elem
-        for canonical in (False, True):
+        riding = torch.zeros(batch, dtype=torch.int32, device=device)
+        riding[::RIDE_EVERY] = 1
+        for schedule, canonical in (("fast", False), ("canonical", True), ("riding", riding)):
+            both = (batch > 1, True) if schedule == "riding" else None
+
             def step() -> None:
-                paged_attention(*args, scale, canonical=canonical, out=out, max_query_len=1, max_seq_len=ctx)
+                paged_attention(*args, scale, canonical=canonical, out=out, max_query_len=1, max_seq_len=ctx,
+                                schedules=both)
 
             rows.append(
-                dict(kind="decode", batch=batch, context=ctx, schedule="canonical" if canonical else "fast",
+                dict(kind="decode", batch=batch, context=ctx, schedule=schedule,
                      ms=bench(step, smoke), graph_ms=bench_graph(step, smoke),
                      floor_ms=floor_bytes / bandwidth * 1e3)
             )
