@@ -22,7 +22,6 @@ from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import mangle_type
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
