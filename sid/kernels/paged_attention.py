@@ -30,14 +30,17 @@ programs: the spread (``group``) is free to follow the batch.
   Integer arguments that depend on the batch are not specialised by Triton, so every batch
   runs the same compiled kernel.
 
-A mixed batch launches the two schedules separately, each skipping the other's sequences: a
-launch's arithmetic is fixed at compile time (``MATRIX_SUM``). On CUDA the canonical launch
-goes first, on a side stream, and runs beside the fast one: a riding step's few canonical
+A mixed decode batch is one launch: the two schedules' decode constants (block shape, tile,
+warps, stages) are the same, each sequence reads its own split size and group, and the launch
+is compiled with the canonical row sum (``MATRIX_SUM``, a compile-time constant), which the
+fast rows then take too (they promise no bits). A second launch beside the first cost a
+riding Qwen3-0.6B decode step 0.28-0.34 ms (28 layers; H200, whole-step graphs, batch 16 /
+64 / 256: +14 / +10 / +5 %) even with no canonical row, where the proven GEMMs cost nothing
+(2026-12-02). A mixed batch with prompt rows, whose schedules differ in block shape and
+arithmetic, launches them separately, each skipping the other's sequences. On CUDA the
+canonical launch goes first, on a side stream, and runs beside the fast one: a few canonical
 sequences are a latency-bound tail when a full batch gives each one program for all its
-splits, and after the fast launch that tail added its whole length. Measured on the H200
-(Qwen3-0.6B heads, decode, a call replayed from a 28-call graph, 2026-12-02): 64 sequences of
-100-1,100 keys, 6 canonical, 96.4 us a layer one after the other, 67.1 beside, 67.4 with no
-canonical row at all; 256 sequences, 25 canonical: 218.7 / 194.6 / 196.5.
+splits, and after the fast launch that tail added its whole length.
 
 Steps with prompt rows (the prefill work):
 
@@ -138,6 +141,7 @@ _PROGRAMS_PER_SM = 4
 _NOMINAL_SMS = 8
 """Stand-in multiprocessor count off CUDA (the interpreter), so CPU runs exercise split-KV."""
 _SERVE_FAST, _SERVE_CANONICAL = 1, 2
+_SERVE_BOTH = _SERVE_FAST | _SERVE_CANONICAL
 """Bits of a launch's ``serve``: which sequences' schedule it runs."""
 
 
@@ -768,6 +772,12 @@ def _stages(sched: _Schedule, element_size: int) -> int:
     return sched.num_stages
 
 
+def _constants(sched: _Schedule) -> tuple[int | bool, ...]:
+    """What a launch compiles and runs with, apart from its split and group (which each
+    sequence reads for itself): schedules that agree on it can share one launch."""
+    return sched.block_m, sched.kv_tile, sched.num_warps, sched.num_stages, sched.prompt, sched.fast_prefill
+
+
 def _cdiv(a: int, b: int) -> int:
     """Ceiling division on the host: ``triton.cdiv`` is a JIT function, and calling one from
     Python took ~9 us (eight calls were half of this wrapper's host time per layer)."""
@@ -905,7 +915,11 @@ def paged_attention(
         n = splits[sched]
         _launch(*args, sched, serve, _cdiv(n, sched.group), n > sched.group)
 
-    if fast is not None and canon is not None and q.device.type == "cuda":
+    if fast is not None and canon is not None and _constants(fast) == _constants(canon):
+        # One launch serves both (module doc): as many programs along the keys as either needs.
+        programs = max(_cdiv(n, s.group) for s, n in splits.items())
+        _launch(*args, canon, _SERVE_BOTH, programs, any(n > s.group for s, n in splits.items()))
+    elif fast is not None and canon is not None and q.device.type == "cuda":
         # The canonical launch first, beside the fast one (module doc); the join orders every
         # later use of ``out`` and of the partials after both.
         main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
@@ -1000,7 +1014,7 @@ def _launch(
         DIM=dim,
         DOT_DTYPE=_dot_dtype(q),
         FAST_PREFILL=sched.fast_prefill,
-        MATRIX_SUM=serve == _SERVE_CANONICAL,
+        MATRIX_SUM=serve != _SERVE_FAST,
         PROMPT=sched.prompt,
         STAGES=stages,
         INTERPRET=knobs.runtime.interpret,
