@@ -127,7 +127,7 @@ _COMBINE_DIMS = 32
 """Head dimensions one combine program folds when the batch leaves multiprocessors idle: a
 lone row's partials spread over several programs. A full batch keeps one program per head,
 so each program's fixed work (finding its sequence and schedule) is not paid several times."""
-_FAST_MIN_SPLIT_KEYS = 256
+FAST_MIN_SPLIT_KEYS = tl.constexpr(256)
 """Fast schedule: a split is never shorter than this, so the partials stay cheap."""
 _FAST_MAX_SPLITS = 32
 """Fast schedule: a row never has more splits than this. The combine folds a row's splits one
@@ -257,10 +257,17 @@ def _merge(m_i, l_i, acc, m_s, l_s, acc_s):
 
 
 @triton.jit
-def _sequence_schedule(canonical_ptr, seq, serve, fast_split, canonical_split, canonical_group):
-    """(canonical, served by this launch, split size, splits per program) of sequence ``seq``."""
+def _sequence_schedule(
+    canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, canonical_split, canonical_group, TILE: tl.constexpr
+):
+    """(canonical, served by this launch, split size, splits per program) of sequence ``seq``.
+    A fast sequence spreads its own keys over the launch's ``fast_programs`` (``_fast_split``),
+    so a short one beside a long one, or in a graph launched for the model's longest, is not
+    walked by a single program."""
     canonical = tl.load(canonical_ptr + seq) != 0
     served = (serve & tl.where(canonical, 2, 1)) != 0
+    keys = tl.load(seq_lens_ptr + seq)
+    fast_split = tl.maximum(tl.cdiv(tl.cdiv(keys, fast_programs), TILE) * TILE, FAST_MIN_SPLIT_KEYS)
     split_size = tl.where(canonical, canonical_split, fast_split)
     group = tl.where(canonical, canonical_group, 1)
     return canonical, served, split_size, group
@@ -483,7 +490,7 @@ def _store_partial(partials, at, rows, m_i, l_i, acc, dims, dim_ok, DIM: tl.cons
 
 
 @triton.jit(
-    do_not_specialize=["num_seqs", "serve", "fast_split", "canonical_split", "canonical_group", "num_slots", "stride_bt"]
+    do_not_specialize=["num_seqs", "serve", "fast_programs", "canonical_split", "canonical_group", "num_slots", "stride_bt"]
 )
 def _attention_kernel(
     q_ptr,
@@ -504,7 +511,7 @@ def _attention_kernel(
     qk_scale,
     num_seqs,
     serve,
-    fast_split,
+    fast_programs,
     canonical_split,
     canonical_group,
     num_slots,
@@ -559,7 +566,7 @@ def _attention_kernel(
     if done:
         return
     canonical, served, split_size, group = _sequence_schedule(
-        canonical_ptr, seq, serve, fast_split, canonical_split, canonical_group
+        canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, canonical_split, canonical_group, TILE
     )
     first = tl.program_id(2) * group
     if (~served) | (first * split_size > last_pos):
@@ -628,7 +635,7 @@ def _attention_kernel(
         _store_partial(partials, part, valid & ~complete, m_f, l_f, acc_f, dims, dim_ok, DIM)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "serve", "fast_split", "canonical_split", "canonical_group", "num_slots"])
+@triton.jit(do_not_specialize=["num_seqs", "serve", "fast_programs", "canonical_split", "canonical_group", "num_slots"])
 def _combine_kernel(
     out_ptr,
     part_acc_ptr,
@@ -639,7 +646,7 @@ def _combine_kernel(
     canonical_ptr,
     num_seqs,
     serve,
-    fast_split,
+    fast_programs,
     canonical_split,
     canonical_group,
     num_slots,
@@ -649,6 +656,7 @@ def _combine_kernel(
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM: tl.constexpr,
     DIMS: tl.constexpr,
@@ -665,7 +673,7 @@ def _combine_kernel(
     if done:
         return
     _, served, split_size, group = _sequence_schedule(
-        canonical_ptr, seq, serve, fast_split, canonical_split, canonical_group
+        canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, canonical_split, canonical_group, TILE
     )
     block_splits = last_pos // split_size + 1
     if (~served) | (block_splits <= group):
@@ -768,6 +776,13 @@ def _stages(sched: _Schedule, element_size: int) -> int:
     return sched.num_stages
 
 
+def _fast_split(keys: int, programs: int, tile: int) -> int:
+    """Keys a split holds when a fast sequence of ``keys`` keys spreads over ``programs``:
+    whole tiles, at least ``FAST_MIN_SPLIT_KEYS`` (``_sequence_schedule`` computes the same
+    in the kernel, from each sequence's own length)."""
+    return max(_cdiv(_cdiv(keys, programs), tile) * tile, FAST_MIN_SPLIT_KEYS.value)
+
+
 def _cdiv(a: int, b: int) -> int:
     """Ceiling division on the host: ``triton.cdiv`` is a JIT function, and calling one from
     Python took ~9 us (eight calls were half of this wrapper's host time per layer)."""
@@ -824,8 +839,8 @@ def _fast_schedule(
         block_m = max(cfg["block_m"], triton.next_power_of_2(group))
         kv_tile, num_warps = cfg["kv_tile"], cfg["num_warps"]
     programs = _query_blocks(num_tokens, num_seqs, max_query_len, block_m // group) * num_kv_heads
-    splits = max(1, min(_cdiv(_target_programs(device), programs), max_seq_len // _FAST_MIN_SPLIT_KEYS, _FAST_MAX_SPLITS))
-    split_size = _cdiv(_cdiv(max_seq_len, splits), kv_tile) * kv_tile
+    splits = max(1, min(_cdiv(_target_programs(device), programs), max_seq_len // FAST_MIN_SPLIT_KEYS.value, _FAST_MAX_SPLITS))
+    split_size = _fast_split(max_seq_len, splits, kv_tile)
     if max_query_len == 1:
         return _Schedule(block_m, kv_tile, split_size, num_warps, num_stages=3)
     return _Schedule(block_m, kv_tile, split_size, num_warps, cfg["num_stages"], prompt=True, fast_prefill=True)
@@ -898,7 +913,7 @@ def paged_attention(
         part_acc = part_max = part_sum = _unused_partials(q.device)
     args = (
         q, k_cache, v_cache, k, v, out, part_acc, part_max, part_sum, block_tables, seq_lens, query_start_loc, flags,
-        fast.split_size if fast is not None else 1, canon.split_size if canon is not None else 1,
+        splits[fast] if fast is not None else 1, canon.split_size if canon is not None else 1,
         canon.group if canon is not None else 1, slots, scale, block_size, group, head_dim,
     )
     def launch(sched: _Schedule, serve: int) -> None:
@@ -935,7 +950,7 @@ def _launch(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     flags: torch.Tensor,
-    fast_split: int,
+    fast_programs: int,
     canonical_split: int,
     canonical_group: int,
     slots: int,
@@ -981,7 +996,7 @@ def _launch(
         scale * 1.4426950408889634,
         num_seqs,
         serve,
-        fast_split,
+        fast_programs,
         canonical_split,
         canonical_group,
         slots,
@@ -1019,7 +1034,7 @@ def _launch(
             flags,
             num_seqs,
             serve,
-            fast_split,
+            fast_programs,
             canonical_split,
             canonical_group,
             slots,
@@ -1027,6 +1042,7 @@ def _launch(
             GROUP=group,
             BLOCK_M=sched.block_m,
             BLOCK_Q=block_q,
+            TILE=sched.kv_tile,
             HEAD_DIM=head_dim,
             DIM=dim,
             DIMS=min(dim, dims),
