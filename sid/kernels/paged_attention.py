@@ -16,9 +16,11 @@ to a partial buffer, and ``_combine_kernel`` continues the same left fold over t
 result is the same fold of the same split states however the splits were spread over
 programs: the spread (``group``) is free to follow the batch.
 
-* Fast schedule: block shape, tile and split size are chosen from the batch (small BLOCK_M and
-  long tiles for decode-only steps; split-KV only when the grid would otherwise leave
-  multiprocessors idle, flash-decoding style), one split per program.
+* Fast schedule: block shape, tile and how many programs share a sequence's keys are chosen
+  from the batch (small BLOCK_M and long tiles for decode-only steps; split-KV only when the
+  grid would otherwise leave multiprocessors idle, flash-decoding style), one split per
+  program; each sequence cuts its own keys into that many splits (``_fast_split``), so a
+  launch sized for longer sequences (a CUDA graph's) still spreads a short one.
 * Canonical schedule (DESIGN 3.1): block shape, tile and split size are fixed
   (``CANONICAL_CONFIG``), so a row's arithmetic is a function of its own position and keys
   only. A position always occupies the same row of its query block; tiles and splits sit at
