@@ -238,6 +238,37 @@ def test_fast_schedule_splits_kv_and_agrees_with_canonical() -> None:
     _close(fast, canon, torch.float32)
 
 
+def test_fast_sequences_spread_their_own_keys_in_a_launch_sized_for_longer_ones() -> None:
+    """A decode launch sized for far more keys than its sequences hold, as a CUDA graph is
+    (for the model's longest): each sequence spreads its own keys over the launch's programs
+    instead of one split of the launch's size, and every row matches the reference."""
+    pool = Pool(300, 2, 64, torch.float32, seed=11)
+    batch = mixed_batch(pool, 4, [(700, 1), (90, 1), (1500, 1)])
+    limit = 8192
+    sched = attention._fast_schedule(3, 3, 2, 2, 1, limit, DEVICE)
+    programs = attention._cdiv(limit, sched.split_size)
+    assert programs > 2 and attention._fast_split(700, programs, sched.kv_tile, sched.min_split) * 2 < 700 < sched.split_size
+    got = attention.paged_attention(*batch.args(pool), 0.125, canonical=False, max_query_len=1, max_seq_len=limit)
+    _close(got, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
+
+
+def test_a_full_decode_batch_splits_only_long_sequences() -> None:
+    """Once a decode batch gives every multiprocessor a program, a fast split holds at least
+    ``_FAST_FULL_MIN_SPLIT_KEYS`` keys: a short sequence stays whole, a long one still spreads
+    over the launch's programs, and every row matches the reference."""
+    shapes = [(700, 1)] * 4 + [(3000, 1)]
+    pool = Pool(600, 2, 64, torch.float32, seed=13)
+    batch = mixed_batch(pool, 4, shapes)
+    limit = 8192
+    sched = attention._fast_schedule(5, 5, 2, 2, 1, limit, DEVICE)
+    assert 5 * 2 >= attention._num_sms(DEVICE) and sched.min_split == attention._FAST_FULL_MIN_SPLIT_KEYS
+    programs = attention._cdiv(limit, sched.split_size)
+    assert attention._fast_split(700, programs, sched.kv_tile, sched.min_split) >= 700
+    assert attention._fast_split(3000, programs, sched.kv_tile, sched.min_split) < 3000
+    got = attention.paged_attention(*batch.args(pool), 0.125, canonical=False, max_query_len=1, max_seq_len=limit)
+    _close(got, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
+
+
 @pytest.mark.parametrize("new_kv", [None, "fused", "strided"])
 def test_fast_prompt_rows_split_kv(new_kv: str | None) -> None:
     """A thin prompt step splits the fast schedule's keys too, at a boundary inside a 128-row
@@ -247,7 +278,8 @@ def test_fast_prompt_rows_split_kv(new_kv: str | None) -> None:
     pool = Pool(120, 2, 64, torch.float32, seed=7)
     batch = mixed_batch(pool, 2, [(ctx, q_len)])
     sched = attention._fast_schedule(q_len, 1, 1, 2, q_len, ctx, DEVICE)
-    boundaries = range(sched.split_size, ctx, sched.split_size)
+    split = attention._fast_split(ctx, attention._cdiv(ctx, sched.split_size), sched.kv_tile, sched.min_split)  # the kernel's, for this sequence
+    boundaries = range(split, ctx, split)
     assert sched.fast_prefill and any(b % 128 for b in boundaries if b > ctx - q_len)
     got = attention.paged_attention(*batch.args(pool), 0.125, canonical=False, **batch.new_kv(pool, new_kv))
     _close(got, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)

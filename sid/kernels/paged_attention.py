@@ -16,9 +16,11 @@ to a partial buffer, and ``_combine_kernel`` continues the same left fold over t
 result is the same fold of the same split states however the splits were spread over
 programs: the spread (``group``) is free to follow the batch.
 
-* Fast schedule: block shape, tile and split size are chosen from the batch (small BLOCK_M and
-  long tiles for decode-only steps; split-KV only when the grid would otherwise leave
-  multiprocessors idle, flash-decoding style), one split per program.
+* Fast schedule: block shape, tile and how many programs share a sequence's keys are chosen
+  from the batch (small BLOCK_M and long tiles for decode-only steps; split-KV only when the
+  grid would otherwise leave multiprocessors idle, flash-decoding style), one split per
+  program; each sequence cuts its own keys into that many splits (``_fast_split``), so a
+  launch sized for longer sequences (a CUDA graph's) still spreads a short one.
 * Canonical schedule (DESIGN 3.1): block shape, tile and split size are fixed
   (``CANONICAL_CONFIG``), so a row's arithmetic is a function of its own position and keys
   only. A position always occupies the same row of its query block; tiles and splits sit at
@@ -132,6 +134,10 @@ lone row's partials spread over several programs. A full batch keeps one program
 so each program's fixed work (finding its sequence and schedule) is not paid several times."""
 _FAST_MIN_SPLIT_KEYS = 256
 """Fast schedule: a split is never shorter than this, so the partials stay cheap."""
+_FAST_FULL_MIN_SPLIT_KEYS = 1024
+"""Fast decode, once the batch gives every multiprocessor a program: a split is never shorter
+than this. Splitting then only pays on long sequences (H200, Qwen3-0.6B decode steps at
+~800 keys, batch 32: 2.45 ms with three 256-key splits, 2.21 with one)."""
 _FAST_MAX_SPLITS = 32
 """Fast schedule: a row never has more splits than this. The combine folds a row's splits one
 after another (~0.25 us each on the H200), so beyond this more splits cost more than the
@@ -181,6 +187,8 @@ class _Schedule(NamedTuple):
     """The step has prompt rows: tiles every row of a block sees whole skip the causal mask."""
     fast_prefill: bool = False
     """Fast schedule with prompt rows: one split per program, the scale folded into the exponent."""
+    min_split: int = 0
+    """Fast schedule: the fewest keys a sequence's split holds (``_fast_split``)."""
 
 
 
@@ -261,10 +269,18 @@ def _merge(m_i, l_i, acc, m_s, l_s, acc_s):
 
 
 @triton.jit
-def _sequence_schedule(canonical_ptr, seq, serve, fast_split, canonical_split, canonical_group):
-    """(canonical, served by this launch, split size, splits per program) of sequence ``seq``."""
+def _sequence_schedule(
+    canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, fast_min_split, canonical_split, canonical_group,
+    TILE: tl.constexpr,
+):
+    """(canonical, served by this launch, split size, splits per program) of sequence ``seq``.
+    A fast sequence spreads its own keys over the launch's ``fast_programs`` (``_fast_split``),
+    so a short one beside a long one, or in a graph launched for the model's longest, is not
+    walked by a single program."""
     canonical = tl.load(canonical_ptr + seq) != 0
     served = (serve & tl.where(canonical, 2, 1)) != 0
+    keys = tl.load(seq_lens_ptr + seq)
+    fast_split = tl.maximum(tl.cdiv(tl.cdiv(keys, fast_programs), TILE) * TILE, fast_min_split)
     split_size = tl.where(canonical, canonical_split, fast_split)
     group = tl.where(canonical, canonical_group, 1)
     return canonical, served, split_size, group
@@ -487,7 +503,10 @@ def _store_partial(partials, at, rows, m_i, l_i, acc, dims, dim_ok, DIM: tl.cons
 
 
 @triton.jit(
-    do_not_specialize=["num_seqs", "serve", "fast_split", "canonical_split", "canonical_group", "num_slots", "stride_bt"]
+    do_not_specialize=[
+        "num_seqs", "serve", "fast_programs", "fast_min_split", "canonical_split", "canonical_group", "num_slots",
+        "stride_bt",
+    ]
 )
 def _attention_kernel(
     q_ptr,
@@ -508,7 +527,8 @@ def _attention_kernel(
     qk_scale,
     num_seqs,
     serve,
-    fast_split,
+    fast_programs,
+    fast_min_split,
     canonical_split,
     canonical_group,
     num_slots,
@@ -563,7 +583,7 @@ def _attention_kernel(
     if done:
         return
     canonical, served, split_size, group = _sequence_schedule(
-        canonical_ptr, seq, serve, fast_split, canonical_split, canonical_group
+        canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, fast_min_split, canonical_split, canonical_group, TILE
     )
     first = tl.program_id(2) * group
     if (~served) | (first * split_size > last_pos):
@@ -632,7 +652,11 @@ def _attention_kernel(
         _store_partial(partials, part, valid & ~complete, m_f, l_f, acc_f, dims, dim_ok, DIM)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "serve", "fast_split", "canonical_split", "canonical_group", "num_slots"])
+@triton.jit(
+    do_not_specialize=[
+        "num_seqs", "serve", "fast_programs", "fast_min_split", "canonical_split", "canonical_group", "num_slots"
+    ]
+)
 def _combine_kernel(
     out_ptr,
     part_acc_ptr,
@@ -643,7 +667,8 @@ def _combine_kernel(
     canonical_ptr,
     num_seqs,
     serve,
-    fast_split,
+    fast_programs,
+    fast_min_split,
     canonical_split,
     canonical_group,
     num_slots,
@@ -653,6 +678,7 @@ def _combine_kernel(
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM: tl.constexpr,
     DIMS: tl.constexpr,
@@ -669,7 +695,7 @@ def _combine_kernel(
     if done:
         return
     _, served, split_size, group = _sequence_schedule(
-        canonical_ptr, seq, serve, fast_split, canonical_split, canonical_group
+        canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, fast_min_split, canonical_split, canonical_group, TILE
     )
     block_splits = last_pos // split_size + 1
     if (~served) | (block_splits <= group):
@@ -778,6 +804,13 @@ def _constants(sched: _Schedule) -> tuple[int | bool, ...]:
     return sched.block_m, sched.kv_tile, sched.num_warps, sched.num_stages, sched.prompt, sched.fast_prefill
 
 
+def _fast_split(keys: int, programs: int, tile: int, min_split: int) -> int:
+    """Keys a split holds when a fast sequence of ``keys`` keys spreads over ``programs``:
+    whole tiles, at least ``min_split`` (``_sequence_schedule`` computes the same in the
+    kernel, from each sequence's own length)."""
+    return max(_cdiv(_cdiv(keys, programs), tile) * tile, min_split)
+
+
 def _cdiv(a: int, b: int) -> int:
     """Ceiling division on the host: ``triton.cdiv`` is a JIT function, and calling one from
     Python took ~9 us (eight calls were half of this wrapper's host time per layer)."""
@@ -834,11 +867,15 @@ def _fast_schedule(
         block_m = max(cfg["block_m"], triton.next_power_of_2(group))
         kv_tile, num_warps = cfg["kv_tile"], cfg["num_warps"]
     programs = _query_blocks(num_tokens, num_seqs, max_query_len, block_m // group) * num_kv_heads
-    splits = max(1, min(_cdiv(_target_programs(device), programs), max_seq_len // _FAST_MIN_SPLIT_KEYS, _FAST_MAX_SPLITS))
-    split_size = _cdiv(_cdiv(max_seq_len, splits), kv_tile) * kv_tile
+    full = max_query_len == 1 and programs >= _num_sms(device)
+    min_split = _FAST_FULL_MIN_SPLIT_KEYS if full else _FAST_MIN_SPLIT_KEYS
+    splits = max(1, min(_cdiv(_target_programs(device), programs), max_seq_len // min_split, _FAST_MAX_SPLITS))
+    split_size = _fast_split(max_seq_len, splits, kv_tile, min_split)
     if max_query_len == 1:
-        return _Schedule(block_m, kv_tile, split_size, num_warps, num_stages=3)
-    return _Schedule(block_m, kv_tile, split_size, num_warps, cfg["num_stages"], prompt=True, fast_prefill=True)
+        return _Schedule(block_m, kv_tile, split_size, num_warps, num_stages=3, min_split=min_split)
+    return _Schedule(
+        block_m, kv_tile, split_size, num_warps, cfg["num_stages"], prompt=True, fast_prefill=True, min_split=min_split
+    )
 
 
 def paged_attention(
@@ -908,8 +945,8 @@ def paged_attention(
         part_acc = part_max = part_sum = _unused_partials(q.device)
     args = (
         q, k_cache, v_cache, k, v, out, part_acc, part_max, part_sum, block_tables, seq_lens, query_start_loc, flags,
-        fast.split_size if fast is not None else 1, canon.split_size if canon is not None else 1,
-        canon.group if canon is not None else 1, slots, scale, block_size, group, head_dim,
+        splits[fast] if fast is not None else 1, fast.min_split if fast is not None else 1,
+        canon.split_size if canon is not None else 1, canon.group if canon is not None else 1, slots, scale, block_size, group, head_dim,
     )
     def launch(sched: _Schedule, serve: int) -> None:
         n = splits[sched]
@@ -949,7 +986,8 @@ def _launch(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     flags: torch.Tensor,
-    fast_split: int,
+    fast_programs: int,
+    fast_min_split: int,
     canonical_split: int,
     canonical_group: int,
     slots: int,
@@ -995,7 +1033,8 @@ def _launch(
         scale * 1.4426950408889634,
         num_seqs,
         serve,
-        fast_split,
+        fast_programs,
+        fast_min_split,
         canonical_split,
         canonical_group,
         slots,
@@ -1033,7 +1072,8 @@ def _launch(
             flags,
             num_seqs,
             serve,
-            fast_split,
+            fast_programs,
+            fast_min_split,
             canonical_split,
             canonical_group,
             slots,
@@ -1041,6 +1081,7 @@ def _launch(
             GROUP=group,
             BLOCK_M=sched.block_m,
             BLOCK_Q=block_q,
+            TILE=sched.kv_tile,
             HEAD_DIM=head_dim,
             DIM=dim,
             DIMS=min(dim, dims),
