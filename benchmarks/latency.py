@@ -49,6 +49,11 @@ def decode_step_ms(engine: LLMEngine, batch: int, context: int, new_tokens: int,
         if engine.scheduler.stats.scheduled_tokens - scheduled == running == batch:
             times.append(elapsed * 1e3)
     engine.reset_prefix_cache()
+    if not times:
+        raise ValueError(
+            f"no step decoded all {batch} requests together: the first finished before the last prompt's prefill "
+            f"ended; give more than {new_tokens} new tokens"
+        )
     kept = times[SKIP_STEPS:] or times
     return {"ms": statistics.median(kept), "mean_ms": statistics.fmean(kept), "steps": len(kept)}
 
@@ -80,7 +85,7 @@ def main() -> None:
         tp_invariant_chunks=args.tp_invariant_chunks,
     )
     engine = llm.llm_engine
-    decode_step_ms(engine, min(batches), args.context, 8, True)  # warm-up
+    decode_step_ms(engine, min(batches), args.context, args.new_tokens, True)  # warm-up
     results: dict[tuple[int, int, bool], list[dict[str, float]]] = {}
     for _ in range(args.rounds):
         for batch, context, new_tokens in cases:
