@@ -7,7 +7,6 @@ import logging
 import weakref
 from collections.abc import Iterable
 from dataclasses import asdict
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,8 @@ import torch
 
 from sid.config import EngineConfig
 from sid.engine.calibrate import calibrate
-from sid.engine.inflight import Planned, StepInFlight
 from sid.engine.fingerprint import numerics_config, numerics_fingerprint
+from sid.engine.inflight import Planned, StepInFlight
 from sid.engine.inputs import InputProcessor, PromptType, eos_token_ids, load_tokenizer, router_policy
 from sid.engine.kv_cache import KVCacheManager, PrefixCacheStats, cdiv
 from sid.engine.memory import num_kv_blocks
@@ -27,7 +26,6 @@ from sid.engine.router import RequestContext, Router
 from sid.engine.scheduler import Scheduler
 from sid.engine.windowed import CPU_COST, GPU_COST, DeterminismStats, WindowedLane, verify
 from sid.model.config import ModelConfig
-from sid.model.decoder import Shard
 from sid.model.loader import build_model
 from sid.outputs import RequestOutput
 from sid.runtime.attention import PagedKVCache, get_backend
@@ -35,7 +33,7 @@ from sid.runtime.cuda_graphs import GraphSpec, decode_buckets
 from sid.runtime.gemm import CPU_TILE, candidates, fast_path, pad_floors, prove_plan
 from sid.runtime.model_runner import ChunkResult, ModelRunner, placeholder
 from sid.runtime.piecewise_graphs import piece_buckets
-from sid.runtime.tp_worker import TPWorkers, WorkerSpec
+from sid.runtime.tp_worker import TPWorkers
 from sid.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -65,7 +63,11 @@ class LLMEngine:
         memory_baseline = torch.cuda.memory_allocated(self.device) if cuda else 0
         proven_sizes = config.canonical_sizes_for(self.device, proven=True)
         self.max_positions = max(self.max_model_len, self.canonical.max, proven_sizes.max)  # padding rows too
-        self.workers = self._start_workers(self.max_positions)
+        self.workers = TPWorkers.start(
+            config, self.model_config, self.dtype, self.device, self.canonical, self.max_positions
+        )
+        if self.workers is not None:
+            weakref.finalize(self, self.workers.shutdown)
         try:
             self._build(self.max_positions, proven_sizes, memory_baseline)
         except BaseException:
@@ -82,34 +84,6 @@ class LLMEngine:
     def canonical_rows(self) -> int:
         """``M_canon``, the smallest canonical pass."""
         return self.canonical.base
-
-    def _start_workers(self, max_positions: int) -> TPWorkers | None:
-        """Spawn ranks 1..N-1 (None at TP=1); the checks that need no model run first."""
-        config = self.config
-        size = config.tensor_parallel_size
-        if size == 1:
-            return None
-        Shard.of(self.model_config, 0, size)  # a model that cannot be split fails before any spawn
-        if self.device.type == "cuda" and size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} are visible")
-        spec = WorkerSpec(
-            model=str(self.path),
-            load_format=config.load_format,
-            seed=config.seed,
-            dtype=self.dtype,
-            device_type=self.device.type,
-            max_positions=max_positions,
-            block_size=config.block_size,
-            attention_backend=config.attention_backend,
-            canonical=self.canonical,
-            num_threads=torch.get_num_threads(),
-            size=size,
-            collective_timeout=timedelta(seconds=config.collective_timeout_s),
-            tp_invariant_chunks=config.tp_invariant_chunks,
-        )
-        workers = TPWorkers(spec, self.device)
-        weakref.finalize(self, workers.shutdown)
-        return workers
 
     def _build(self, max_positions: int, proven_sizes: PassSizes, memory_baseline: int) -> None:
         config = self.config

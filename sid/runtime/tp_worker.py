@@ -33,8 +33,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from sid.config import EngineConfig
 from sid.engine.plan import PassSizes
 from sid.model.config import ModelConfig
+from sid.model.decoder import Shard
 from sid.model.loader import build_model
 from sid.runtime.attention import PagedKVCache, get_backend
 from sid.runtime.cuda_graphs import GraphSpec
@@ -148,6 +150,40 @@ def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore, control: ControlRe
 
 class TPWorkers:
     """Rank 0's handle on the workers: start them, send plans, turn a death into an error, stop them."""
+
+    @classmethod
+    def start(
+        cls,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        canonical: PassSizes,
+        max_positions: int,
+    ) -> TPWorkers | None:
+        """Spawn ranks 1..N-1 of an engine (None at TP=1); the checks that need no model run first."""
+        size = config.tensor_parallel_size
+        if size == 1:
+            return None
+        Shard.of(model_config, 0, size)  # a model that cannot be split fails before any spawn
+        if device.type == "cuda" and size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} are visible")
+        spec = WorkerSpec(
+            model=str(Path(config.model)),
+            load_format=config.load_format,
+            seed=config.seed,
+            dtype=dtype,
+            device_type=device.type,
+            max_positions=max_positions,
+            block_size=config.block_size,
+            attention_backend=config.attention_backend,
+            canonical=canonical,
+            num_threads=torch.get_num_threads(),
+            size=size,
+            collective_timeout=timedelta(seconds=config.collective_timeout_s),
+            tp_invariant_chunks=config.tp_invariant_chunks,
+        )
+        return cls(spec, device)
 
     def __init__(self, spec: WorkerSpec, device: torch.device) -> None:
         if dist.is_initialized():
