@@ -10,6 +10,8 @@
 #        host_profile_zero (the same at 0 %, for this code and the code in .carry/base)
 #        attention (the Triton kernels, both schedules, against the floors: decode, prefill, a chunk after a cached prefix)
 #        gemm_paths (which GEMM path keeps a row's bits at every row count, per shape, and its cost)
+#        allreduce (two GPUs, nvidia-h200-x2: NCCL vs the canonical gather-and-sum vs a one-shot all-reduce,
+#          rows x 4096 and rows x 8192)
 #        cost_qwen_tail cost_llama_tail (the cost of determinism on the long-tailed workload: log-normal lengths)
 #        base_qwen base_llama (0 % deterministic on the code in .carry/base, the commit a change is measured
 #          against, in the same call: git archive BASE sid benchmarks | tar -x -C .carry/base)
@@ -86,6 +88,8 @@ step() {
     serve_mixed) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
       export PYTHONPATH=$PYTHONPATH:/tmp/site && run_step serve_mixed 400 python3 benchmarks/serve.py --model llama-3.1-8b --rates 8 --deterministic-fractions 0.25 --num-prompts 160 --out "$RES" ;;
     gemm_paths) run_step gemm_paths 300 python3 benchmarks/gemm_paths.py --out "$RES" ;;
+    allreduce) run_step allreduce 200 python3 benchmarks/allreduce.py --out "$RES"
+      run_step allreduce_70b 200 python3 benchmarks/allreduce.py --hidden 8192 --out "$RES/70b" ;;
     latency_qwen) run_step latency_qwen 400 python3 benchmarks/latency.py --model qwen3-0.6b --rounds "${REPEATS:-1}" --out "$RES/latency_qwen" ;;
     latency_llama) run_step latency_llama 500 python3 benchmarks/latency.py --model llama-3.1-8b --rounds "${REPEATS:-1}" --out "$RES/latency_llama" ;;
     profile_qwen) run_step profile_qwen 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --out "$RES" ;;
