@@ -247,7 +247,8 @@ def test_fast_sequences_spread_their_own_keys_in_a_launch_sized_for_longer_ones(
     limit = 8192
     sched = attention._fast_schedule(3, 3, 2, 2, 1, limit, DEVICE)
     programs = attention._cdiv(limit, sched.split_size)
-    assert programs > 2 and attention._fast_split(700, programs, sched.kv_tile, sched.min_split) * 2 < 700 < sched.split_size
+    spread = attention._fast_split(700, programs, sched.kv_tile, sched.min_split)
+    assert programs > 2 and spread * 2 < 700 < sched.split_size
     got = attention.paged_attention(*batch.args(pool), 0.125, canonical=False, max_query_len=1, max_seq_len=limit)
     _close(got, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
 
@@ -278,7 +279,8 @@ def test_fast_prompt_rows_split_kv(new_kv: str | None) -> None:
     pool = Pool(120, 2, 64, torch.float32, seed=7)
     batch = mixed_batch(pool, 2, [(ctx, q_len)])
     sched = attention._fast_schedule(q_len, 1, 1, 2, q_len, ctx, DEVICE)
-    split = attention._fast_split(ctx, attention._cdiv(ctx, sched.split_size), sched.kv_tile, sched.min_split)  # the kernel's, for this sequence
+    # The kernel's split for this sequence.
+    split = attention._fast_split(ctx, attention._cdiv(ctx, sched.split_size), sched.kv_tile, sched.min_split)
     boundaries = range(split, ctx, split)
     assert sched.fast_prefill and any(b % 128 for b in boundaries if b > ctx - q_len)
     got = attention.paged_attention(*batch.args(pool), 0.125, canonical=False, **batch.new_kv(pool, new_kv))
@@ -507,7 +509,8 @@ def test_sequences_take_their_own_schedule_in_one_batch(
     monkeypatch.setattr(attention, "_launch", lambda *a: served.append(a[-3]) or launch(*a))
     mixed = attention.paged_attention(*batch.args(pool), 0.125, canonical=flags, **kw)
     decode = kw["max_query_len"] == 1
-    assert sorted(served) == ([attention._SERVE_BOTH] if decode else [attention._SERVE_FAST, attention._SERVE_CANONICAL])
+    separate = [attention._SERVE_FAST, attention._SERVE_CANONICAL]
+    assert sorted(served) == ([attention._SERVE_BOTH] if decode else separate)
     canon = attention.paged_attention(*batch.args(pool), 0.125, canonical=True, **kw)
     fast = attention.paged_attention(*batch.args(pool), 0.125, canonical=False, **kw)
     starts = batch.query_start_loc.tolist()

@@ -147,8 +147,8 @@ _PROGRAMS_PER_SM = 4
 _NOMINAL_SMS = 8
 """Stand-in multiprocessor count off CUDA (the interpreter), so CPU runs exercise split-KV."""
 _SERVE_FAST, _SERVE_CANONICAL = 1, 2
-_SERVE_BOTH = _SERVE_FAST | _SERVE_CANONICAL
 """Bits of a launch's ``serve``: which sequences' schedule it runs."""
+_SERVE_BOTH = _SERVE_FAST | _SERVE_CANONICAL
 
 
 def _patch_interpreter_scalar_index() -> None:
@@ -946,7 +946,8 @@ def paged_attention(
     args = (
         q, k_cache, v_cache, k, v, out, part_acc, part_max, part_sum, block_tables, seq_lens, query_start_loc, flags,
         splits[fast] if fast is not None else 1, fast.min_split if fast is not None else 1,
-        canon.split_size if canon is not None else 1, canon.group if canon is not None else 1, slots, scale, block_size, group, head_dim,
+        canon.split_size if canon is not None else 1, canon.group if canon is not None else 1,
+        slots, scale, block_size, group, head_dim,
     )
     def launch(sched: _Schedule, serve: int) -> None:
         n = splits[sched]
