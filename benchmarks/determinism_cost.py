@@ -182,6 +182,7 @@ def main() -> None:
     ap.add_argument("--keep-prefix-cache", action="store_true",
                     help="let a run find the prompts the runs before it cached (the repeats submit the same "
                          "requests; by default every run starts with the prefix cache reset, so it computes them)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (ranks) the model is split over")
     ap.add_argument("--step-log", action="store_true",
                     help="also time the engine's steps by kind (steps with prompt rows; decode steps by batch size)")
     args = parse_args(ap, smoke=dict(model=SMOKE_MODEL, requests=16, min_len=8, max_len=32, median_prompt=12,
@@ -198,6 +199,7 @@ def main() -> None:
         verify_window=args.verify_window,
         determinism_strategy=args.strategy,
         dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     engine = llm.llm_engine
     vocab = engine.model_config.vocab_size
@@ -227,6 +229,7 @@ def main() -> None:
         "model": args.model or engine.config.model,
         "device": str(engine.device),
         "dtype": str(engine.dtype),
+        "tensor_parallel_size": args.tensor_parallel_size,
         "canonical_rows": engine.canonical_rows,
         "canonical_sizes": list(engine.canonical.sizes),
         "verify_window": engine.config.verify_window,

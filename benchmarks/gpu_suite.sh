@@ -12,6 +12,8 @@
 #        gemm_paths (which GEMM path keeps a row's bits at every row count, per shape, and its cost)
 #        allreduce (two GPUs, nvidia-h200-x2: NCCL vs the canonical gather-and-sum vs a one-shot all-reduce,
 #          rows x 4096 and rows x 8192)
+#        tp_cost tp_latency (two GPUs: Llama at TP=1 and TP=2, the cost of determinism on both workloads, and
+#          decode step time at batch 1 / 8 / 64 and 32k at batch 1)
 #        cost_qwen_tail cost_llama_tail (the cost of determinism on the long-tailed workload: log-normal lengths)
 #        base_qwen base_llama (0 % deterministic on the code in .carry/base, the commit a change is measured
 #          against, in the same call: git archive BASE sid benchmarks | tar -x -C .carry/base)
@@ -88,6 +90,14 @@ step() {
     serve_mixed) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
       export PYTHONPATH=$PYTHONPATH:/tmp/site && run_step serve_mixed 400 python3 benchmarks/serve.py --model llama-3.1-8b --rates 8 --deterministic-fractions 0.25 --num-prompts 160 --out "$RES" ;;
     gemm_paths) run_step gemm_paths 300 python3 benchmarks/gemm_paths.py --out "$RES" ;;
+    tp_cost) for tp in 1 2; do for w in uniform lognormal; do
+        run_step tp${tp}_cost_$w 400 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --tensor-parallel-size $tp \
+          --workload $w --repeats 1 --fractions "${FRACTIONS:-0,0.1,1.0}" --out "$RES/tp${tp}_$w"
+      done; done ;;
+    tp_latency) for tp in 1 2; do
+        run_step tp${tp}_latency 300 python3 benchmarks/latency.py --model llama-3.1-8b --tensor-parallel-size $tp \
+          --batches 1,8,64 --rounds 1 --out "$RES/tp${tp}_latency"
+      done ;;
     allreduce) run_step allreduce 200 python3 benchmarks/allreduce.py --out "$RES"
       run_step allreduce_70b 200 python3 benchmarks/allreduce.py --hidden 8192 --out "$RES/70b" ;;
     latency_qwen) run_step latency_qwen 400 python3 benchmarks/latency.py --model qwen3-0.6b --rounds "${REPEATS:-1}" --out "$RES/latency_qwen" ;;

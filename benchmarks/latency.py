@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--long-context", type=int, default=32768, help="batch 1 also runs at this context (0: not)")
     ap.add_argument("--long-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (ranks) the model is split over")
     ap.add_argument("--tp-invariant-chunks", type=int, default=None,
                     help="deterministic passes split row-parallel K into this many chunks (its cost at TP=1)")
     args = parse_args(ap, smoke=dict(model=SMOKE_MODEL, batches="1,4", context=48, new_tokens=12, long_context=96,
@@ -83,6 +84,7 @@ def main() -> None:
         max_model_len=longest + 16,
         max_num_seqs=max(batches),
         tp_invariant_chunks=args.tp_invariant_chunks,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     engine = llm.llm_engine
     decode_step_ms(engine, min(batches), args.context, args.new_tokens, True)  # warm-up
@@ -100,7 +102,8 @@ def main() -> None:
     stats = engine.get_stats()
     meta = {"model": args.model or engine.config.model, "device": str(engine.device), "dtype": str(engine.dtype),
             "determinism": stats["determinism"], "gemm_paths": stats["gemm_paths"], "fingerprint": engine.fingerprint,
-            "rounds": args.rounds, "tp_invariant_chunks": args.tp_invariant_chunks}
+            "rounds": args.rounds, "tp_invariant_chunks": args.tp_invariant_chunks,
+            "tensor_parallel_size": args.tensor_parallel_size}
     path = write_json("latency", {**meta, "rows": rows}, args.out)
     print(f"{meta['model']} on {meta['device']} ({meta['dtype']}), deterministic rows: {meta['determinism']}")
     print(table(rows, ["batch", "context", "normal_ms", "deterministic_ms", "ratio"]))

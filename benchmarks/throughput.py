@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--peer", action="store_true", help="also run the transformers peer on the subset")
     ap.add_argument("--peer-requests", type=int, default=64)
     ap.add_argument("--peer-tokens", type=int, default=128)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (ranks) the model is split over")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--lockstep", action="store_true",
                     help="also run the full workload without overlapped scheduling, on the same engine")
@@ -75,6 +76,7 @@ def main() -> None:
         device=engine_device(args),
         max_model_len=2 * args.max_len + 16,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     engine = llm.llm_engine
     requests = workload(args.requests, args.min_len, args.max_len, engine.model_config.vocab_size)
@@ -94,6 +96,7 @@ def main() -> None:
         rows[-1]["ratio_to_peer"] = rows[-1]["output_tok_s"] / peer["output_tok_s"]
         rows.append({"engine": "transformers", "workload": f"{len(subset)} req x {args.peer_tokens} new", **peer})
     meta = {"model": args.model, "device": str(engine.device), "dtype": str(engine.dtype),
+            "tensor_parallel_size": args.tensor_parallel_size,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "kv_blocks": engine.kv.pool.num_blocks, "cuda_graphs": engine.runner.graphs is not None,
             "async_scheduling": engine.async_scheduling,
