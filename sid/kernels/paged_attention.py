@@ -745,7 +745,7 @@ def _num_sms(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream a mixed batch's canonical launch runs on, beside the fast launch."""
+    """The stream a mixed prompt batch's canonical launch runs on, beside the fast launch."""
     return torch.cuda.Stream(device)
 
 
