@@ -542,6 +542,25 @@ def test_canonical_bits_do_not_depend_on_how_splits_are_spread(monkeypatch: pyte
     _close(a, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
 
 
+def test_canonical_sequences_deal_their_own_splits_in_a_launch_sized_for_longer_ones() -> None:
+    """A decode launch sized for far more keys than its sequences hold (a CUDA graph's): the
+    launch gives each row several programs, each folding several splits, and a short sequence
+    deals its few splits out to those programs one each. Its rows keep the bits of a launch
+    sized for the batch's own lengths."""
+    pool = Pool(700, 2, 64, torch.float32, seed=29)
+    shapes = [(3 * SPLIT - 100, 1), (SPLIT + 50, 1), (2 * SPLIT + 7, 1), (400, 1)]
+    batch = mixed_batch(pool, 4, shapes)
+    limit = 16 * SPLIT
+    sched = attention._canonical_schedule(2, 4, 4, 2, 1, limit, DEVICE)
+    programs = attention._cdiv(attention._cdiv(limit, SPLIT), sched.group)
+    assert sched.group > 1 and programs > 1, "the launch must fold several splits a program on several programs"
+    assert attention._cdiv(3, programs) == 1, "so the longest sequence's 3 splits take one program each"
+    sized = attention.paged_attention(*batch.args(pool), 0.125, canonical=True, max_query_len=1, max_seq_len=limit)
+    own = attention.paged_attention(*batch.args(pool), 0.125, canonical=True, max_query_len=1)
+    assert torch.equal(sized, own)
+    _close(sized, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
+
+
 def test_prompt_launches_fit_in_sm90_shared_memory() -> None:
     """Both schedules' prompt launches, float32 and bf16, ask for no more shared memory than
     sm_90 grants a program, lowered for sm_90 on this machine (``tests/sm90_shared_memory.py``,

@@ -27,8 +27,11 @@ programs: the spread (``group``) is free to follow the batch.
   fixed absolute positions, and tiles past a row's last key are exact no-ops (scores -inf,
   rescale factor forced to 1), so neither the other rows, the query tiling, the number of
   tiles/splits the batch needs, nor prefill-vs-decode can change its bits. The split is short
-  (a long context gives a lone sequence many programs), and ``group`` is chosen from the batch:
-  a full batch folds all of a row's splits in one program and writes no partials.
+  (a long context gives a lone sequence many programs), and how many programs share a
+  sequence's splits is chosen from the batch: a full batch folds all of a row's splits in one
+  program and writes no partials. Each sequence deals its own splits out to those programs
+  (``group`` consecutive splits each), so a short one in a launch sized for longer ones, a
+  CUDA graph's, still gets several.
   Integer arguments that depend on the batch are not specialised by Triton, so every batch
   runs the same compiled kernel.
 
@@ -270,19 +273,20 @@ def _merge(m_i, l_i, acc, m_s, l_s, acc_s):
 
 @triton.jit
 def _sequence_schedule(
-    canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, fast_min_split, canonical_split, canonical_group,
+    canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, fast_min_split, canonical_split, canonical_programs,
     TILE: tl.constexpr,
 ):
     """(canonical, served by this launch, split size, splits per program) of sequence ``seq``.
-    A fast sequence spreads its own keys over the launch's ``fast_programs`` (``_fast_split``),
-    so a short one beside a long one, or in a graph launched for the model's longest, is not
-    walked by a single program."""
+    Each sequence spreads its own keys over the launch's programs along the keys: a fast one
+    cuts them into ``fast_programs`` splits (``_fast_split``), a canonical one deals its fixed
+    splits out to ``canonical_programs`` programs, so a short sequence beside a long one, or in
+    a graph launched for the model's longest, is not walked by a single program."""
     canonical = tl.load(canonical_ptr + seq) != 0
     served = (serve & tl.where(canonical, 2, 1)) != 0
     keys = tl.load(seq_lens_ptr + seq)
     fast_split = tl.maximum(tl.cdiv(tl.cdiv(keys, fast_programs), TILE) * TILE, fast_min_split)
     split_size = tl.where(canonical, canonical_split, fast_split)
-    group = tl.where(canonical, canonical_group, 1)
+    group = tl.where(canonical, tl.cdiv(tl.cdiv(keys, canonical_split), canonical_programs), 1)
     return canonical, served, split_size, group
 
 
@@ -504,7 +508,7 @@ def _store_partial(partials, at, rows, m_i, l_i, acc, dims, dim_ok, DIM: tl.cons
 
 @triton.jit(
     do_not_specialize=[
-        "num_seqs", "serve", "fast_programs", "fast_min_split", "canonical_split", "canonical_group", "num_slots",
+        "num_seqs", "serve", "fast_programs", "fast_min_split", "canonical_split", "canonical_programs", "num_slots",
         "stride_bt",
     ]
 )
@@ -530,7 +534,7 @@ def _attention_kernel(
     fast_programs,
     fast_min_split,
     canonical_split,
-    canonical_group,
+    canonical_programs,
     num_slots,
     stride_qt,
     stride_qh,
@@ -583,7 +587,8 @@ def _attention_kernel(
     if done:
         return
     canonical, served, split_size, group = _sequence_schedule(
-        canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, fast_min_split, canonical_split, canonical_group, TILE
+        canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, fast_min_split, canonical_split, canonical_programs,
+        TILE,
     )
     first = tl.program_id(2) * group
     if (~served) | (first * split_size > last_pos):
@@ -654,7 +659,7 @@ def _attention_kernel(
 
 @triton.jit(
     do_not_specialize=[
-        "num_seqs", "serve", "fast_programs", "fast_min_split", "canonical_split", "canonical_group", "num_slots"
+        "num_seqs", "serve", "fast_programs", "fast_min_split", "canonical_split", "canonical_programs", "num_slots"
     ]
 )
 def _combine_kernel(
@@ -670,7 +675,7 @@ def _combine_kernel(
     fast_programs,
     fast_min_split,
     canonical_split,
-    canonical_group,
+    canonical_programs,
     num_slots,
     stride_ot,
     stride_oh,
@@ -695,7 +700,8 @@ def _combine_kernel(
     if done:
         return
     _, served, split_size, group = _sequence_schedule(
-        canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, fast_min_split, canonical_split, canonical_group, TILE
+        canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, fast_min_split, canonical_split, canonical_programs,
+        TILE,
     )
     block_splits = last_pos // split_size + 1
     if (~served) | (block_splits <= group):
@@ -946,7 +952,7 @@ def paged_attention(
     args = (
         q, k_cache, v_cache, k, v, out, part_acc, part_max, part_sum, block_tables, seq_lens, query_start_loc, flags,
         splits[fast] if fast is not None else 1, fast.min_split if fast is not None else 1,
-        canon.split_size if canon is not None else 1, canon.group if canon is not None else 1,
+        canon.split_size if canon is not None else 1, _cdiv(splits[canon], canon.group) if canon is not None else 1,
         slots, scale, block_size, group, head_dim,
     )
     def launch(sched: _Schedule, serve: int) -> None:
@@ -990,7 +996,7 @@ def _launch(
     fast_programs: int,
     fast_min_split: int,
     canonical_split: int,
-    canonical_group: int,
+    canonical_programs: int,
     slots: int,
     scale: float,
     block_size: int,
@@ -1037,7 +1043,7 @@ def _launch(
         fast_programs,
         fast_min_split,
         canonical_split,
-        canonical_group,
+        canonical_programs,
         slots,
         *q.stride(),
         *out.stride(),
@@ -1076,7 +1082,7 @@ def _launch(
             fast_programs,
             fast_min_split,
             canonical_split,
-            canonical_group,
+            canonical_programs,
             slots,
             *out.stride(),
             GROUP=group,
