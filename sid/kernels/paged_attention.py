@@ -939,9 +939,11 @@ def paged_attention(
     shape = (num_tokens, num_seqs, num_kv_heads, max_query_len, max_seq_len, q.device)
     fast = _fast_schedule(num_tokens, num_seqs, group, *shape[2:]) if any_fast else None
     canon = _canonical_schedule(group, *shape) if any_canonical else None
-    # Per schedule: its splits per row, and whether its programs leave partials for the combine.
+    # Per schedule: a row's splits at most, and its programs along the keys (more than one
+    # leave partials for the combine).
     splits = {s: _cdiv(max_seq_len, s.split_size) for s in (fast, canon) if s is not None}
-    slots = max([n for s, n in splits.items() if n > s.group] or [1])
+    programs = {s: _cdiv(n, s.group) for s, n in splits.items()}
+    slots = max([splits[s] for s, p in programs.items() if p > 1] or [1])
     if slots > 1:
         part_acc = torch.empty((num_tokens, num_heads, slots, max(16, triton.next_power_of_2(head_dim))),
                                dtype=torch.float32, device=q.device)
@@ -951,31 +953,29 @@ def paged_attention(
         part_acc = part_max = part_sum = _unused_partials(q.device)
     args = (
         q, k_cache, v_cache, k, v, out, part_acc, part_max, part_sum, block_tables, seq_lens, query_start_loc, flags,
-        splits[fast] if fast is not None else 1, fast.min_split if fast is not None else 1,
-        canon.split_size if canon is not None else 1, _cdiv(splits[canon], canon.group) if canon is not None else 1,
+        programs[fast] if fast is not None else 1, fast.min_split if fast is not None else 1,
+        canon.split_size if canon is not None else 1, programs[canon] if canon is not None else 1,
         slots, scale, block_size, group, head_dim,
     )
-    def launch(sched: _Schedule, serve: int) -> None:
-        n = splits[sched]
-        _launch(*args, sched, serve, _cdiv(n, sched.group), n > sched.group)
+    def launch(sched: _Schedule, serve: int, n: int) -> None:
+        _launch(*args, sched, serve, n, n > 1)
 
     if fast is not None and canon is not None and _constants(fast) == _constants(canon):
         # One launch serves both (module doc): as many programs along the keys as either needs.
-        programs = max(_cdiv(n, s.group) for s, n in splits.items())
-        _launch(*args, canon, _SERVE_BOTH, programs, any(n > s.group for s, n in splits.items()))
+        launch(canon, _SERVE_BOTH, max(programs.values()))
     elif fast is not None and canon is not None and q.device.type == "cuda":
         # The canonical launch first, beside the fast one (module doc); the join orders every
         # later use of ``out`` and of the partials after both.
         main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            launch(canon, _SERVE_CANONICAL)
-        launch(fast, _SERVE_FAST)
+            launch(canon, _SERVE_CANONICAL, programs[canon])
+        launch(fast, _SERVE_FAST, programs[fast])
         main.wait_stream(side)
     else:
         for sched, serve in ((fast, _SERVE_FAST), (canon, _SERVE_CANONICAL)):
             if sched is not None:
-                launch(sched, serve)
+                launch(sched, serve, programs[sched])
     return out
 
 
