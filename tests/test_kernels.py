@@ -247,7 +247,7 @@ def test_fast_sequences_spread_their_own_keys_in_a_launch_sized_for_longer_ones(
     limit = 8192
     sched = attention._fast_schedule(3, 3, 2, 2, 1, limit, DEVICE)
     programs = attention._cdiv(limit, sched.split_size)
-    spread = attention._fast_split(700, programs, sched.kv_tile, sched.min_split)
+    spread = attention._fast_split(700, programs, sched.kv_tile, sched.min_keys)
     assert programs > 2 and spread * 2 < 700 < sched.split_size
     got = attention.paged_attention(*batch.args(pool), 0.125, canonical=False, max_query_len=1, max_seq_len=limit)
     _close(got, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
@@ -255,17 +255,17 @@ def test_fast_sequences_spread_their_own_keys_in_a_launch_sized_for_longer_ones(
 
 def test_a_full_decode_batch_splits_only_long_sequences() -> None:
     """Once a decode batch gives every multiprocessor a program, a fast split holds at least
-    ``_FAST_FULL_MIN_SPLIT_KEYS`` keys: a short sequence stays whole, a long one still spreads
+    ``_FULL_MIN_PROGRAM_KEYS`` keys: a short sequence stays whole, a long one still spreads
     over the launch's programs, and every row matches the reference."""
     shapes = [(700, 1)] * 4 + [(3000, 1)]
     pool = Pool(600, 2, 64, torch.float32, seed=13)
     batch = mixed_batch(pool, 4, shapes)
     limit = 8192
     sched = attention._fast_schedule(5, 5, 2, 2, 1, limit, DEVICE)
-    assert 5 * 2 >= attention._num_sms(DEVICE) and sched.min_split == attention._FAST_FULL_MIN_SPLIT_KEYS
+    assert 5 * 2 >= attention._num_sms(DEVICE) and sched.min_keys == attention._FULL_MIN_PROGRAM_KEYS
     programs = attention._cdiv(limit, sched.split_size)
-    assert attention._fast_split(700, programs, sched.kv_tile, sched.min_split) >= 700
-    assert attention._fast_split(3000, programs, sched.kv_tile, sched.min_split) < 3000
+    assert attention._fast_split(700, programs, sched.kv_tile, sched.min_keys) >= 700
+    assert attention._fast_split(3000, programs, sched.kv_tile, sched.min_keys) < 3000
     got = attention.paged_attention(*batch.args(pool), 0.125, canonical=False, max_query_len=1, max_seq_len=limit)
     _close(got, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
 
@@ -280,7 +280,7 @@ def test_fast_prompt_rows_split_kv(new_kv: str | None) -> None:
     batch = mixed_batch(pool, 2, [(ctx, q_len)])
     sched = attention._fast_schedule(q_len, 1, 1, 2, q_len, ctx, DEVICE)
     # The kernel's split for this sequence.
-    split = attention._fast_split(ctx, attention._cdiv(ctx, sched.split_size), sched.kv_tile, sched.min_split)
+    split = attention._fast_split(ctx, attention._cdiv(ctx, sched.split_size), sched.kv_tile, sched.min_keys)
     boundaries = range(split, ctx, split)
     assert sched.fast_prefill and any(b % 128 for b in boundaries if b > ctx - q_len)
     got = attention.paged_attention(*batch.args(pool), 0.125, canonical=False, **batch.new_kv(pool, new_kv))
@@ -540,6 +540,28 @@ def test_canonical_bits_do_not_depend_on_how_splits_are_spread(monkeypatch: pyte
         monkeypatch.setattr(attention, "_COMBINE_DIMS", dims)
         assert torch.equal(attention.paged_attention(*batch.args(pool), 0.125, canonical=True), a), f"{dims} dims"
     _close(a, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
+
+
+def test_decode_rows_fold_many_short_splits_with_the_bits_of_one_split_a_program(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode rows of up to 13 two-tile splits: each split its own program (the combine folds
+    their partials), a program for every 1,024 keys (a full batch's least: four splits folded
+    in one loop over their tiles, each split finished at its last), or one program for all:
+    the same bits."""
+    monkeypatch.setitem(attention.CANONICAL_CONFIG, "kv_split", 256)
+    pool = Pool(700, 2, 64, torch.float32, seed=37)
+    batch = mixed_batch(pool, 4, [(3 * SPLIT + 70, 1), (2 * SPLIT + 5, 1), (300, 1), (256, 1)])
+    groups, outs = [], []
+    for target, sms in ((1 << 20, 1 << 10), (1 << 20, 1), (1, 1)):  # thin batch; full; full, few programs
+        monkeypatch.setattr(attention, "_target_programs", lambda device, target=target: target)
+        monkeypatch.setattr(attention, "_num_sms", lambda device, sms=sms: sms)
+        groups.append(attention._canonical_schedule(2, 4, 4, 2, 1, 3 * SPLIT + 70, DEVICE).group)
+        outs.append(attention.paged_attention(*batch.args(pool), 0.125, canonical=True))
+    assert groups == [1, attention._FULL_MIN_PROGRAM_KEYS // 256, 13]
+    for other in outs[1:]:
+        assert torch.equal(outs[0], other)
+    _close(outs[0], paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
 
 
 def test_canonical_sequences_deal_their_own_splits_in_a_launch_sized_for_longer_ones() -> None:

@@ -28,10 +28,13 @@ programs: the spread (``group``) is free to follow the batch.
   rescale factor forced to 1), so neither the other rows, the query tiling, the number of
   tiles/splits the batch needs, nor prefill-vs-decode can change its bits. The split is short
   (a long context gives a lone sequence many programs), and how many programs share a
-  sequence's splits is chosen from the batch: a full batch folds all of a row's splits in one
-  program and writes no partials. Each sequence deals its own splits out to those programs
+  sequence's splits is chosen from the batch: at least the target's programs for a thin
+  batch, and once a decode batch gives every multiprocessor a program, at least 1,024 keys a
+  program, as in the fast schedule (a full batch folds all of a row's splits in one program
+  and writes no partials). Each sequence deals its own splits out to those programs
   (``group`` consecutive splits each), so a short one in a launch sized for longer ones, a
-  CUDA graph's, still gets several.
+  CUDA graph's, still gets several. A decode program walks its splits' tiles in one
+  software-pipelined loop, finishing each split at its last tile (``_decode_splits``).
   Integer arguments that depend on the batch are not specialised by Triton, so every batch
   runs the same compiled kernel.
 
@@ -135,12 +138,14 @@ _COMBINE_DIMS = 32
 """Head dimensions one combine program folds when the batch leaves multiprocessors idle: a
 lone row's partials spread over several programs. A full batch keeps one program per head,
 so each program's fixed work (finding its sequence and schedule) is not paid several times."""
-_FAST_MIN_SPLIT_KEYS = 256
-"""Fast schedule: a split is never shorter than this, so the partials stay cheap."""
-_FAST_FULL_MIN_SPLIT_KEYS = 1024
-"""Fast decode, once the batch gives every multiprocessor a program: a split is never shorter
-than this. Splitting then only pays on long sequences (H200, Qwen3-0.6B decode steps at
-~800 keys, batch 32: 2.45 ms with three 256-key splits, 2.21 with one)."""
+_MIN_PROGRAM_KEYS = 256
+"""A program walks at least this many of a sequence's keys (a fast split, a canonical group of
+splits), so the partials stay cheap."""
+_FULL_MIN_PROGRAM_KEYS = 1024
+"""The same, once a decode batch gives every multiprocessor a program: splitting then only
+pays on long sequences (H200, Qwen3-0.6B decode steps at ~800 keys, batch 32: 2.45 ms with
+three 256-key fast splits, 2.21 with one; canonical attention at batch 32 and ~1,000 keys,
+two 512-key splits on two programs: 47.6 us a layer against the fast 39.8)."""
 _FAST_MAX_SPLITS = 32
 """Fast schedule: a row never has more splits than this. The combine folds a row's splits one
 after another (~0.25 us each on the H200), so beyond this more splits cost more than the
@@ -190,8 +195,9 @@ class _Schedule(NamedTuple):
     """The step has prompt rows: tiles every row of a block sees whole skip the causal mask."""
     fast_prefill: bool = False
     """Fast schedule with prompt rows: one split per program, the scale folded into the exponent."""
-    min_split: int = 0
-    """Fast schedule: the fewest keys a sequence's split holds (``_fast_split``)."""
+    min_keys: int = 0
+    """The fewest keys a program walks: a fast split's least size (``_fast_split``), a
+    canonical group's least span."""
 
 
 
@@ -273,7 +279,7 @@ def _merge(m_i, l_i, acc, m_s, l_s, acc_s):
 
 @triton.jit
 def _sequence_schedule(
-    canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, fast_min_split, canonical_split, canonical_programs,
+    canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, min_keys, canonical_split, canonical_programs,
     TILE: tl.constexpr,
 ):
     """(canonical, served by this launch, split size, splits per program) of sequence ``seq``.
@@ -284,9 +290,10 @@ def _sequence_schedule(
     canonical = tl.load(canonical_ptr + seq) != 0
     served = (serve & tl.where(canonical, 2, 1)) != 0
     keys = tl.load(seq_lens_ptr + seq)
-    fast_split = tl.maximum(tl.cdiv(tl.cdiv(keys, fast_programs), TILE) * TILE, fast_min_split)
+    fast_split = tl.maximum(tl.cdiv(tl.cdiv(keys, fast_programs), TILE) * TILE, min_keys)
     split_size = tl.where(canonical, canonical_split, fast_split)
-    group = tl.where(canonical, tl.cdiv(tl.cdiv(keys, canonical_split), canonical_programs), 1)
+    least = tl.cdiv(min_keys, canonical_split)
+    group = tl.where(canonical, tl.maximum(tl.cdiv(tl.cdiv(keys, canonical_split), canonical_programs), least), 1)
     return canonical, served, split_size, group
 
 
@@ -430,62 +437,55 @@ def _attend_split(
     q, pos, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, split_start, kv_stop, visible, first_new,
     new_row0, kv_head, dims, dim_ok, qk_scale, kc, vc, nk, nv,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, FAST_PREFILL: tl.constexpr, MATRIX_SUM: tl.constexpr, PROMPT: tl.constexpr,
-    STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, FAST_PREFILL: tl.constexpr, MATRIX_SUM: tl.constexpr, STAGES: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over one split's keys ``[split_start, kv_stop)`` from a fresh state, in
-    increasing tile order. In launches with prompt rows (``PROMPT``), tiles every row of the
-    block sees whole (keys below ``visible``) run unmasked: those before ``first_new``
-    gathered from the cache, then a tile holding keys of both kinds, then the pass's own keys
-    read straight from ``k``/``v``. The tiles left (all of them in decode launches, which keep
-    one loop: a decode row's keys are nearly all of one kind) load per key and apply the
-    causal mask."""
-    # Elsewhere the loop over the pass's own keys runs one stage fewer than the launch: the
-    # cache loop's loads wait on its block-table loads, so both then hold as many buffers,
-    # and two 4-warp canonical programs still share a multiprocessor (82 KB of shared memory
-    # each; 147 KB at the launch's depth). A fast prefill program fills a multiprocessor with
-    # its registers alone, so its loop keeps the launch's depth. The diagonal tiles of a
-    # prompt block are one or two: not pipelined, which keeps their registers down.
+    """Online softmax of a prompt block over one split's keys ``[split_start, kv_stop)`` from a
+    fresh state, in increasing tile order. Tiles every row of the block sees whole (keys below
+    ``visible``) run unmasked: those before ``first_new`` gathered from the cache, then a tile
+    holding keys of both kinds, then the pass's own keys read straight from ``k``/``v``. The
+    one or two diagonal tiles left load per key and apply the causal mask."""
+    # The loop over the pass's own keys runs one stage fewer than the launch: the cache
+    # loop's loads wait on its block-table loads, so both then hold as many buffers, and two
+    # 4-warp canonical programs still share a multiprocessor (82 KB of shared memory each;
+    # 147 KB at the launch's depth). A fast prefill program fills a multiprocessor with its
+    # registers alone, so its loop keeps the launch's depth. The diagonal tiles are not
+    # pipelined, which keeps their registers down.
     new_stages: tl.constexpr = STAGES if FAST_PREFILL else (STAGES - 1 if STAGES > 1 else 1)
-    masked_stages: tl.constexpr = 1 if PROMPT else STAGES
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM], tl.float32)
-    masked_start = split_start
-    if PROMPT:
-        masked_start = tl.maximum(tl.minimum(kv_stop, visible // TILE * TILE), split_start)
-        cache_end = tl.minimum(tl.maximum(first_new // TILE * TILE, split_start), masked_start)
-        for tile_start in range(split_start, cache_end, TILE):
+    masked_start = tl.maximum(tl.minimum(kv_stop, visible // TILE * TILE), split_start)
+    cache_end = tl.minimum(tl.maximum(first_new // TILE * TILE, split_start), masked_start)
+    for tile_start in range(split_start, cache_end, TILE):
+        keys = tile_start + tl.arange(0, TILE)
+        k_at, v_at = _cache_addresses(table, k_cache_ptr, v_cache_ptr, keys, None, kv_head, dims, kc, vc, BLOCK_SIZE)
+        k = tl.load(k_at, mask=dim_ok[:, None], other=0.0)
+        v = tl.load(v_at, mask=dim_ok[None, :], other=0.0)
+        m_i, l_i, acc = _softmax_step(
+            q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
+        )
+    if k_ptr is not None:
+        new_start = tl.minimum(tl.maximum(tl.cdiv(first_new, TILE) * TILE, cache_end), masked_start)
+        for tile_start in tl.range(cache_end, new_start, TILE, num_stages=1):
             keys = tile_start + tl.arange(0, TILE)
-            k_at, v_at = _cache_addresses(
-                table, k_cache_ptr, v_cache_ptr, keys, None, kv_head, dims, kc, vc, BLOCK_SIZE
+            k, v = _mixed_tile(
+                table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, keys, kv_stop, first_new, new_row0, kv_head, dims,
+                dim_ok, kc, vc, nk, nv, BLOCK_SIZE,
             )
-            k = tl.load(k_at, mask=dim_ok[:, None], other=0.0)
-            v = tl.load(v_at, mask=dim_ok[None, :], other=0.0)
             m_i, l_i, acc = _softmax_step(
                 q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
             )
-        if k_ptr is not None:
-            new_start = tl.minimum(tl.maximum(tl.cdiv(first_new, TILE) * TILE, cache_end), masked_start)
-            for tile_start in tl.range(cache_end, new_start, TILE, num_stages=1):
-                keys = tile_start + tl.arange(0, TILE)
-                k, v = _mixed_tile(
-                    table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, keys, kv_stop, first_new, new_row0, kv_head, dims,
-                    dim_ok, kc, vc, nk, nv, BLOCK_SIZE,
-                )
-                m_i, l_i, acc = _softmax_step(
-                    q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
-                )
-            for tile_start in tl.range(new_start, masked_start, TILE, num_stages=new_stages):
-                keys = tile_start + tl.arange(0, TILE)
-                k, v = _new_tile(
-                    k_ptr, v_ptr, k_desc, v_desc, new_row0 + tile_start - first_new, kv_head, dims, dim_ok, nk, nv,
-                    TILE, HEAD_DIM,
-                )
-                m_i, l_i, acc = _softmax_step(
-                    q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
-                )
-    for tile_start in tl.range(masked_start, kv_stop, TILE, num_stages=masked_stages):
+        for tile_start in tl.range(new_start, masked_start, TILE, num_stages=new_stages):
+            keys = tile_start + tl.arange(0, TILE)
+            k, v = _new_tile(
+                k_ptr, v_ptr, k_desc, v_desc, new_row0 + tile_start - first_new, kv_head, dims, dim_ok, nk, nv,
+                TILE, HEAD_DIM,
+            )
+            m_i, l_i, acc = _softmax_step(
+                q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
+            )
+    for tile_start in tl.range(masked_start, kv_stop, TILE, num_stages=1):
         keys = tile_start + tl.arange(0, TILE)
         k, v = _mixed_tile(
             table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, keys, kv_stop, first_new, new_row0, kv_head, dims, dim_ok,
@@ -495,6 +495,59 @@ def _attend_split(
             q, k, v, keys, pos, m_i, l_i, acc, qk_scale, True, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
         )
     return m_i, l_i, acc
+
+
+@triton.jit
+def _decode_splits(
+    q, pos, valid, table, k_cache_ptr, v_cache_ptr, first, stop, split_size, last_pos, kv_head, dims, dim_ok,
+    qk_scale, kc, vc, partials, part,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, DIM: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    MATRIX_SUM: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """A decode program's splits ``[first, stop)`` in one software-pipelined loop over their
+    tiles (masked: a decode row's keys end inside its last tile). Each split's state still
+    starts fresh and is finished at the split's last tile (``_finish_split``), so a row gets
+    the bits of one loop a split; but the loads run ahead across split boundaries instead of
+    draining the pipeline at each one, which made short splits dear to a full batch, whose
+    programs fold all of a row's splits. Returns the program's fold (split 0's program)."""
+    m_f = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_f = tl.zeros([BLOCK_M], tl.float32)
+    acc_f = tl.zeros([BLOCK_M, DIM], tl.float32)
+    m_i, l_i, acc = m_f, l_f, acc_f
+    end = tl.minimum(stop * split_size, last_pos + 1)
+    for tile_start in tl.range(first * split_size, end, TILE, num_stages=STAGES):
+        keys = tile_start + tl.arange(0, TILE)
+        k, v = _mixed_tile(
+            table, k_cache_ptr, v_cache_ptr, None, None, keys, end, end, 0, kv_head, dims, dim_ok, kc, vc, kc, vc,
+            BLOCK_SIZE,
+        )
+        m_i, l_i, acc = _softmax_step(
+            q, k, v, keys, pos, m_i, l_i, acc, qk_scale, True, False, MATRIX_SUM, DOT_DTYPE, INTERPRET
+        )
+        if ((tile_start + TILE) % split_size == 0) | (tile_start + TILE >= end):
+            m_f, l_f, acc_f = _finish_split(
+                m_f, l_f, acc_f, m_i, l_i, acc, first, tile_start // split_size, split_size, valid, pos, partials,
+                part, dims, dim_ok, DIM,
+            )  # fmt: skip
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, DIM], tl.float32)
+    return m_f, l_f, acc_f
+
+
+@triton.jit
+def _finish_split(
+    m_f, l_f, acc_f, m_i, l_i, acc, first, split, split_size, valid, pos, partials, part, dims, dim_ok,
+    DIM: tl.constexpr,
+):  # fmt: skip
+    """Split ``split``'s state: folded into the program's running fold where the program holds
+    split 0, else written to its partial slot for the combine. Returns the fold."""
+    if first == 0:
+        m_f, l_f, acc_f = _merge(m_f, l_f, acc_f, m_i, l_i, acc)
+    else:
+        reach = valid & (pos >= split * split_size)
+        _store_partial(partials, part + split, reach, m_i, l_i, acc, dims, dim_ok, DIM)
+    return m_f, l_f, acc_f
 
 
 @triton.jit
@@ -508,7 +561,7 @@ def _store_partial(partials, at, rows, m_i, l_i, acc, dims, dim_ok, DIM: tl.cons
 
 @triton.jit(
     do_not_specialize=[
-        "num_seqs", "serve", "fast_programs", "fast_min_split", "canonical_split", "canonical_programs", "num_slots",
+        "num_seqs", "serve", "fast_programs", "min_keys", "canonical_split", "canonical_programs", "num_slots",
         "stride_bt",
     ]
 )
@@ -532,7 +585,7 @@ def _attention_kernel(
     num_seqs,
     serve,
     fast_programs,
-    fast_min_split,
+    min_keys,
     canonical_split,
     canonical_programs,
     num_slots,
@@ -587,7 +640,7 @@ def _attention_kernel(
     if done:
         return
     canonical, served, split_size, group = _sequence_schedule(
-        canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, fast_min_split, canonical_split, canonical_programs,
+        canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, min_keys, canonical_split, canonical_programs,
         TILE,
     )
     first = tl.program_id(2) * group
@@ -624,12 +677,12 @@ def _attention_kernel(
             q, pos, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, first * split_size,
             tl.minimum(first * split_size + split_size, last_pos + 1), visible, first_new, q_start, kv_head, dims,
             dim_ok, qk_scale, kc, vc, nk, nv, BLOCK_SIZE, BLOCK_M, TILE, HEAD_DIM, DIM, DOT_DTYPE, True, False,
-            PROMPT, STAGES, INTERPRET,
+            STAGES, INTERPRET,
         )  # fmt: skip
         if first > 0:
             reach = valid & (pos >= first * split_size)
             _store_partial(partials, part + first, reach, m_f, l_f, acc_f, dims, dim_ok, DIM)
-    else:
+    elif PROMPT:
         m_f = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_f = tl.zeros([BLOCK_M], tl.float32)
         acc_f = tl.zeros([BLOCK_M, DIM], tl.float32)
@@ -639,13 +692,16 @@ def _attention_kernel(
             m_i, l_i, acc = _attend_split(
                 q, pos, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, split_start, kv_stop,
                 visible, first_new, q_start, kv_head, dims, dim_ok, qk_scale, kc, vc, nk, nv, BLOCK_SIZE,
-                BLOCK_M, TILE, HEAD_DIM, DIM, DOT_DTYPE, False, MATRIX_SUM, PROMPT, STAGES, INTERPRET,
+                BLOCK_M, TILE, HEAD_DIM, DIM, DOT_DTYPE, False, MATRIX_SUM, STAGES, INTERPRET,
             )  # fmt: skip
-            if first == 0:
-                m_f, l_f, acc_f = _merge(m_f, l_f, acc_f, m_i, l_i, acc)
-            else:
-                reach = valid & (pos >= split_start)
-                _store_partial(partials, part + split, reach, m_i, l_i, acc, dims, dim_ok, DIM)
+            m_f, l_f, acc_f = _finish_split(
+                m_f, l_f, acc_f, m_i, l_i, acc, first, split, split_size, valid, pos, partials, part, dims, dim_ok, DIM
+            )
+    else:
+        m_f, l_f, acc_f = _decode_splits(
+            q, pos, valid, table, k_cache_ptr, v_cache_ptr, first, stop, split_size, last_pos, kv_head, dims, dim_ok,
+            qk_scale, kc, vc, partials, part, BLOCK_SIZE, BLOCK_M, TILE, DIM, DOT_DTYPE, MATRIX_SUM, STAGES, INTERPRET,
+        )  # fmt: skip
     if first == 0:
         complete = pos // split_size < stop
         tl.store(
@@ -659,7 +715,7 @@ def _attention_kernel(
 
 @triton.jit(
     do_not_specialize=[
-        "num_seqs", "serve", "fast_programs", "fast_min_split", "canonical_split", "canonical_programs", "num_slots"
+        "num_seqs", "serve", "fast_programs", "min_keys", "canonical_split", "canonical_programs", "num_slots"
     ]
 )
 def _combine_kernel(
@@ -673,7 +729,7 @@ def _combine_kernel(
     num_seqs,
     serve,
     fast_programs,
-    fast_min_split,
+    min_keys,
     canonical_split,
     canonical_programs,
     num_slots,
@@ -700,7 +756,7 @@ def _combine_kernel(
     if done:
         return
     _, served, split_size, group = _sequence_schedule(
-        canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, fast_min_split, canonical_split, canonical_programs,
+        canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, min_keys, canonical_split, canonical_programs,
         TILE,
     )
     block_splits = last_pos // split_size + 1
@@ -810,11 +866,16 @@ def _constants(sched: _Schedule) -> tuple[int | bool, ...]:
     return sched.block_m, sched.kv_tile, sched.num_warps, sched.num_stages, sched.prompt, sched.fast_prefill
 
 
-def _fast_split(keys: int, programs: int, tile: int, min_split: int) -> int:
+def _fast_split(keys: int, programs: int, tile: int, min_keys: int) -> int:
     """Keys a split holds when a fast sequence of ``keys`` keys spreads over ``programs``:
-    whole tiles, at least ``min_split`` (``_sequence_schedule`` computes the same in the
+    whole tiles, at least ``min_keys`` (``_sequence_schedule`` computes the same in the
     kernel, from each sequence's own length)."""
-    return max(_cdiv(_cdiv(keys, programs), tile) * tile, min_split)
+    return max(_cdiv(_cdiv(keys, programs), tile) * tile, min_keys)
+
+
+def _min_keys(decode: bool, programs: int, device: torch.device) -> int:
+    """The fewest keys a program of a launch with ``programs`` query blocks x KV heads walks."""
+    return _FULL_MIN_PROGRAM_KEYS if decode and programs >= _num_sms(device) else _MIN_PROGRAM_KEYS
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -842,15 +903,19 @@ def _canonical_schedule(
     block_m = max(cfg["prefill_block_m"] if prompt else cfg["block_m"], triton.next_power_of_2(group))
     programs = _query_blocks(num_tokens, num_seqs, max_query_len, block_m // group) * num_kv_heads
     splits = _cdiv(max_seq_len, cfg["kv_split"])
+    # At least the target's programs: rounding the group up left a lone row of a graph sized
+    # for 40,960 keys half of them (80 splits over 66 programs: 2 a program, 40 programs).
     spread = max(1, _target_programs(device) // programs)
+    min_keys = _min_keys(not prompt, programs, device)
     return _Schedule(
         block_m=block_m,
         kv_tile=cfg["kv_tile"],
         split_size=cfg["kv_split"],
         num_warps=cfg["prefill_num_warps"] if prompt else cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        group=_cdiv(splits, spread),
+        group=max(1, splits // spread, _cdiv(min_keys, cfg["kv_split"])),
         prompt=prompt,
+        min_keys=min_keys,
     )
 
 
@@ -873,14 +938,13 @@ def _fast_schedule(
         block_m = max(cfg["block_m"], triton.next_power_of_2(group))
         kv_tile, num_warps = cfg["kv_tile"], cfg["num_warps"]
     programs = _query_blocks(num_tokens, num_seqs, max_query_len, block_m // group) * num_kv_heads
-    full = max_query_len == 1 and programs >= _num_sms(device)
-    min_split = _FAST_FULL_MIN_SPLIT_KEYS if full else _FAST_MIN_SPLIT_KEYS
-    splits = max(1, min(_cdiv(_target_programs(device), programs), max_seq_len // min_split, _FAST_MAX_SPLITS))
-    split_size = _fast_split(max_seq_len, splits, kv_tile, min_split)
+    min_keys = _min_keys(max_query_len == 1, programs, device)
+    splits = max(1, min(_cdiv(_target_programs(device), programs), max_seq_len // min_keys, _FAST_MAX_SPLITS))
+    split_size = _fast_split(max_seq_len, splits, kv_tile, min_keys)
     if max_query_len == 1:
-        return _Schedule(block_m, kv_tile, split_size, num_warps, num_stages=3, min_split=min_split)
+        return _Schedule(block_m, kv_tile, split_size, num_warps, num_stages=3, min_keys=min_keys)
     return _Schedule(
-        block_m, kv_tile, split_size, num_warps, cfg["num_stages"], prompt=True, fast_prefill=True, min_split=min_split
+        block_m, kv_tile, split_size, num_warps, cfg["num_stages"], prompt=True, fast_prefill=True, min_keys=min_keys
     )
 
 
@@ -953,10 +1017,10 @@ def paged_attention(
         part_acc = part_max = part_sum = _unused_partials(q.device)
     args = (
         q, k_cache, v_cache, k, v, out, part_acc, part_max, part_sum, block_tables, seq_lens, query_start_loc, flags,
-        programs[fast] if fast is not None else 1, fast.min_split if fast is not None else 1,
-        canon.split_size if canon is not None else 1, programs[canon] if canon is not None else 1,
-        slots, scale, block_size, group, head_dim,
+        programs[fast] if fast is not None else 1, canon.split_size if canon is not None else 1,
+        programs[canon] if canon is not None else 1, slots, scale, block_size, group, head_dim,
     )
+
     def launch(sched: _Schedule, serve: int, n: int) -> None:
         _launch(*args, sched, serve, n, n > 1)
 
@@ -994,7 +1058,6 @@ def _launch(
     query_start_loc: torch.Tensor,
     flags: torch.Tensor,
     fast_programs: int,
-    fast_min_split: int,
     canonical_split: int,
     canonical_programs: int,
     slots: int,
@@ -1008,8 +1071,10 @@ def _launch(
     combine: bool,
 ) -> None:
     """One attention launch over the sequences of the schedules in ``serve`` (``programs`` per
-    query block and KV head along the keys), and the combine of their partials."""
+    query block and KV head along the keys), and the combine of their partials. A launch
+    serving both schedules has one batch, so one ``min_keys``."""
     num_tokens, num_seqs, num_kv_heads = q.shape[0], seq_lens.shape[0], k_cache.shape[2]
+    min_keys = sched.min_keys
     block_q = sched.block_m // group
     dim = max(16, triton.next_power_of_2(head_dim))
     # A decode launch's sequences have one row each: a block a sequence (``_block_rows``).
@@ -1041,7 +1106,7 @@ def _launch(
         num_seqs,
         serve,
         fast_programs,
-        fast_min_split,
+        min_keys,
         canonical_split,
         canonical_programs,
         slots,
@@ -1080,7 +1145,7 @@ def _launch(
             num_seqs,
             serve,
             fast_programs,
-            fast_min_split,
+            min_keys,
             canonical_split,
             canonical_programs,
             slots,
