@@ -1,11 +1,18 @@
-"""Shared memory of the attention kernel's prompt launches, lowered for sm_90 on any machine.
+"""Shared memory of the attention kernel's launches, lowered for sm_90 on any machine.
 
 Run by ``tests/test_kernels.py`` in a process of its own: Triton compiles only when its
 interpreter is off, and the test session has it on. No GPU is needed: Triton's pipeline
 for sm_90 runs on the CPU, and its lowering to LLVM IR fixes the shared memory a program asks
 for, the figure a launch on the H200 is refused over (``OutOfResources``). The pipeline stops
 there: PTX and ``ptxas`` would add a minute on a 2-core machine and change no byte of it.
-Prints JSON: one entry per (schedule, dtype) with the bytes asked for.
+
+Each launch is the one ``paged_attention`` makes, caught at the kernel's call, and is
+specialised by Triton's own binder as the H200 would specialise it: strides of 1 become
+constants, pointers and multiples of 16 are marked divisible by 16. That matters: the
+canonical prompt launch asked for 102 KB unspecialised and 169 KB specialised (bf16, its own
+K/V given, 2026-12-02), because the contiguous loads it can prove become pipelined copies.
+Prints JSON: one entry per (launch, dtype) with the bytes asked for (a combine launch, where
+the schedule makes one, as a separate entry).
 
     python tests/sm90_shared_memory.py
 """
@@ -15,63 +22,83 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton.language as tl
 from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import mangle_type
+from triton.runtime.jit import create_function_from_signature
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sid.kernels import paged_attention as attention  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 """Llama-3.1-8B's attention: GQA 4, head_dim 128, the largest tiles Sid's models ask for."""
 SM90 = GPUTarget("cuda", 90, 32)
 DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 """The matrix unit's operand type on CUDA: the query's (``_dot_dtype`` off CUDA differs)."""
 
 
-def shared_bytes(sched: attention._Schedule, dtype: torch.dtype, canonical: bool) -> int:
-    """Bytes of shared memory one program of ``sched`` asks for, as ``_launch`` would launch it."""
-    group = HEADS // KV_HEADS
-    cache = torch.zeros(4, 16, KV_HEADS, HEAD_DIM, dtype=dtype)
-    own = torch.zeros(64, KV_HEADS, HEAD_DIM, dtype=dtype) if sched.fast_prefill else None
-    k_desc, v_desc = attention._tensor_descriptors(own, own, sched.kv_tile, HEAD_DIM) if own is not None else (None, None)
-    assert (k_desc is None) == (own is None), "the fast prompt launch reads its own keys through TMA on sm_90"
-    values = {
-        "q_ptr": torch.zeros(8, HEADS, HEAD_DIM, dtype=dtype), "k_cache_ptr": cache, "v_cache_ptr": cache,
-        "k_ptr": own, "v_ptr": own, "k_desc": k_desc, "v_desc": v_desc, "out_ptr": torch.zeros(1, dtype=dtype),
-        "part_acc_ptr": torch.zeros(1), "part_max_ptr": torch.zeros(1), "part_sum_ptr": torch.zeros(1),
-        "qk_scale": 0.5,
-    }
-    stages = attention._stages(sched, cache.element_size())
-    constants = {
-        "BLOCK_SIZE": 16, "GROUP": group, "BLOCK_M": sched.block_m, "BLOCK_Q": sched.block_m // group,
-        "TILE": sched.kv_tile, "HEAD_DIM": HEAD_DIM, "DIM": HEAD_DIM, "DOT_DTYPE": DOT_DTYPES[dtype],
-        "FAST_PREFILL": sched.fast_prefill, "MATRIX_SUM": canonical, "PROMPT": sched.prompt, "STAGES": stages,
-        "INTERPRET": False,
-    }
-    kernel = attention._attention_kernel
-    signature, constexprs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constants:
-            signature[name], constexprs[(i,)] = "constexpr", constants[name]
-        elif values.get(name, 0) is None:
-            signature[name], constexprs[(i,)] = "constexpr", None
-        elif name.endswith("_ptr") and name not in values:
-            signature[name] = "*i32"
-        else:
-            signature[name] = mangle_type(values.get(name, 7))
-    return _lowered_shared(ASTSource(kernel, signature, constexprs), {"num_warps": sched.num_warps, "num_stages": stages})
+class _Caught:
+    """Stands in for the kernel: keeps the arguments of the launch instead of running it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
 
 
-def _lowered_shared(src: ASTSource, options: dict[str, int]) -> int:
+Launch = tuple[Any, tuple[Any, ...], dict[str, Any]]
+"""(kernel, positional arguments, keyword arguments) of one launch."""
+
+
+def launches(dtype: torch.dtype, canonical: bool, query_len: int) -> list[Launch]:
+    """The kernels' launches for 8 sequences of ``query_len`` rows after a 512-key prefix
+    (their own K/V given, as the engine gives them), in one schedule."""
+    seqs, prefix = 8, 512
+    context = prefix + query_len
+    blocks = -(-context // BLOCK)
+    cache = torch.zeros(seqs * blocks + 1, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+    table = torch.arange(seqs * blocks, dtype=torch.int32).view(seqs, blocks)
+    q = torch.zeros(seqs * query_len, HEADS, HEAD_DIM, dtype=dtype)
+    own = torch.zeros(seqs * query_len, KV_HEADS, HEAD_DIM, dtype=dtype)
+    seq_lens = torch.full((seqs,), context, dtype=torch.int32)
+    starts = torch.arange(0, seqs * query_len + 1, query_len, dtype=torch.int32)
+    kernels = {"_attention_kernel": attention._attention_kernel, "_combine_kernel": attention._combine_kernel}
+    caught = {name: _Caught() for name in kernels}
+    for name in kernels:
+        setattr(attention, name, caught[name])
+    try:
+        attention.paged_attention(
+            q, cache, cache, table, seq_lens, starts, 0.1, canonical=canonical, max_query_len=query_len,
+            max_seq_len=context, k=own, v=own,
+        )
+    finally:
+        for name, kernel in kernels.items():
+            setattr(attention, name, kernel)
+    found = [(kernels[name], args, kwargs) for name in kernels for args, kwargs in caught[name].calls]
+    for _, _, kwargs in found:
+        if "DOT_DTYPE" in kwargs:
+            kwargs["DOT_DTYPE"] = DOT_DTYPES[dtype]
+    return found
+
+
+def shared_bytes(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Bytes of shared memory one program of this launch asks for on sm_90."""
+    backend = make_backend(SM90)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return _lowered_shared(ASTSource(kernel, signature, constexprs, attrs), options)
+
+
+def _lowered_shared(src: ASTSource, parsed: Any) -> int:
     """``triton.compile``'s stages for sm_90 up to LLVM IR; the shared bytes it allocated."""
     backend = make_backend(SM90)
-    parsed = backend.parse_options(options)
     stages: dict[str, object] = {}
     backend.add_stages(stages, parsed, src.language)
     context = ir.context()
@@ -88,17 +115,15 @@ def _lowered_shared(src: ASTSource, options: dict[str, int]) -> int:
 
 def main() -> None:
     attention._has_tma = lambda device: True  # as on sm_90: the fast prompt launch takes descriptors
-    group = HEADS // KV_HEADS
-    launch = (4096, 8, KV_HEADS, 512, 4096, torch.device("cpu"))  # 8 sequences of 512 prompt rows
-    schedules = {
-        "canonical prompt": (attention._canonical_schedule(group, *launch), True),
-        "fast prompt": (attention._fast_schedule(4096, 8, group, *launch[2:]), False),
-    }
-    found = {
-        f"{name} {str(dtype).removeprefix('torch.')}": shared_bytes(sched, dtype, canonical)
-        for name, (sched, canonical) in schedules.items()
-        for dtype in (torch.float32, torch.bfloat16)
-    }
+    found = {}
+    for name, canonical, query_len in (
+        ("canonical prompt", True, 512), ("fast prompt", False, 512),
+        ("canonical decode", True, 1), ("fast decode", False, 1),
+    ):
+        for dtype in (torch.float32, torch.bfloat16):
+            for kernel, args, kwargs in launches(dtype, canonical, query_len):
+                which = name if kernel is attention._attention_kernel else f"{name} combine"
+                found[f"{which} {str(dtype).removeprefix('torch.')}"] = shared_bytes(kernel, args, kwargs)
     print(json.dumps(found))
 
 

@@ -446,11 +446,11 @@ def _attend_split(
     holding keys of both kinds, then the pass's own keys read straight from ``k``/``v``. The
     one or two diagonal tiles left load per key and apply the causal mask."""
     # The loop over the pass's own keys runs one stage fewer than the launch: the cache
-    # loop's loads wait on its block-table loads, so both then hold as many buffers, and two
-    # 4-warp canonical programs still share a multiprocessor (82 KB of shared memory each;
-    # 147 KB at the launch's depth). A fast prefill program fills a multiprocessor with its
-    # registers alone, so its loop keeps the launch's depth. The diagonal tiles are not
-    # pipelined, which keeps their registers down.
+    # loop's loads wait on its block-table loads, so both then hold as many buffers, and the
+    # canonical program fits sm_90's 227 KB of shared memory (bf16: 169 KB, 233 KB at the
+    # launch's depth; ``tests/sm90_shared_memory.py``). A fast prefill program fills a
+    # multiprocessor with its registers alone, so its loop keeps the launch's depth. The
+    # diagonal tiles are not pipelined, which keeps their registers down.
     new_stages: tl.constexpr = STAGES if FAST_PREFILL else (STAGES - 1 if STAGES > 1 else 1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
