@@ -506,7 +506,7 @@ def test_sequences_take_their_own_schedule_in_one_batch(
     kw = dict(max_query_len=max(n for _, n in shapes), max_seq_len=max(c for c, _ in shapes))
     served: list[int] = []
     launch = attention._launch
-    monkeypatch.setattr(attention, "_launch", lambda *a: served.append(a[-3]) or launch(*a))
+    monkeypatch.setattr(attention, "_launch", lambda *a: served.append(a[-2]) or launch(*a))
     mixed = attention.paged_attention(*batch.args(pool), 0.125, canonical=flags, **kw)
     decode = kw["max_query_len"] == 1
     separate = [attention._SERVE_FAST, attention._SERVE_CANONICAL]

@@ -1022,7 +1022,7 @@ def paged_attention(
     )
 
     def launch(sched: _Schedule, serve: int, n: int) -> None:
-        _launch(*args, sched, serve, n, n > 1)
+        _launch(*args, sched, serve, n)
 
     if fast is not None and canon is not None and _constants(fast) == _constants(canon):
         # One launch serves both (module doc): as many programs along the keys as either needs.
@@ -1068,13 +1068,11 @@ def _launch(
     sched: _Schedule,
     serve: int,
     programs: int,
-    combine: bool,
 ) -> None:
     """One attention launch over the sequences of the schedules in ``serve`` (``programs`` per
     query block and KV head along the keys), and the combine of their partials. A launch
     serving both schedules has one batch, so one ``min_keys``."""
     num_tokens, num_seqs, num_kv_heads = q.shape[0], seq_lens.shape[0], k_cache.shape[2]
-    min_keys = sched.min_keys
     block_q = sched.block_m // group
     dim = max(16, triton.next_power_of_2(head_dim))
     # A decode launch's sequences have one row each: a block a sequence (``_block_rows``).
@@ -1106,7 +1104,7 @@ def _launch(
         num_seqs,
         serve,
         fast_programs,
-        min_keys,
+        sched.min_keys,
         canonical_split,
         canonical_programs,
         slots,
@@ -1132,7 +1130,7 @@ def _launch(
         num_warps=sched.num_warps,
         num_stages=stages,
     )
-    if combine:
+    if programs > 1:  # partials to fold
         dims = _COMBINE_DIMS if (num_tokens // block_q + num_seqs) * num_kv_heads < _target_programs(q.device) else dim
         _combine_kernel[(*grid, _cdiv(dim, dims))](
             out,
@@ -1145,7 +1143,7 @@ def _launch(
             num_seqs,
             serve,
             fast_programs,
-            min_keys,
+            sched.min_keys,
             canonical_split,
             canonical_programs,
             slots,
