@@ -275,11 +275,23 @@ def test_router_precedence(served: Served, body: dict, header: str | None, expec
     assert r.status_code == 200 and r.headers["X-Sid-Deterministic"] == expected
 
 
+def receipts_through(served: Served, request_id: str, timeout: float = 30) -> list[dict]:
+    """The receipts file once it holds ``request_id``'s receipt: the server answers before it
+    writes the receipt, so a client can read the file a moment too early."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = served.receipts.read_text().split("\n")[:-1]  # a line still being written has no newline
+        records = [json.loads(line) for line in lines]
+        if any(r["request_id"] == request_id for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
+
+
 def test_receipts_replay(served: Served, capsys: pytest.CaptureFixture[str]) -> None:
     sampled = complete(served, max_tokens=12, deterministic=True, temperature=0.8)
-    records = [json.loads(line) for line in served.receipts.read_text().splitlines()]
-    last = records[-1]
-    assert last["request_id"] == sampled.id and last["num_output_tokens"] == 12 and last["params"]["seed"] == 0
+    records = receipts_through(served, sampled.id)
+    (mine,) = [r for r in records if r["request_id"] == sampled.id]
+    assert mine["num_output_tokens"] == 12 and mine["params"]["seed"] == 0
     assert all(r["fingerprint"] == sampled.system_fingerprint for r in records)
     assert {r["params"]["deterministic"] for r in records} == {True}  # field, header and rule alike
     # One receipt per distinct request keeps the replay short; identical ones replay identically.
