@@ -477,6 +477,21 @@ def test_dead_engine_answers_503(tmp_path: Path) -> None:
         assert r.status_code == 503
 
 
+def test_a_receipt_that_cannot_be_written_loses_no_response(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The receipts path is a directory: each deterministic response still arrives, the
+    failure is logged, and the engine keeps serving."""
+    path = write_checkpoint(tmp_path / "tiny", "LlamaForCausalLM")
+    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64))
+    settings = ServerSettings(served_model_name="tiny", receipts=tmp_path)
+    body = {"prompt": "x = 1", "max_tokens": 4, "deterministic": True, "ignore_eos": True}
+    with ServerThread(build_app(engine, settings)) as server:
+        for _ in range(2):
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(f"{server.url}/health").status_code == 200
+    assert "could not write the receipt" in caplog.text
+
+
 def test_dead_tp_worker_shows_in_health_while_the_server_stays_up(checkpoints: dict[str, Path]) -> None:
     """A worker killed while the engine idles: /health says so at once, naming it; the server
     keeps answering, and a request gets a 503 with the same cause."""

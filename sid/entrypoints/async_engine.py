@@ -313,7 +313,10 @@ class AsyncEngine:
                     receipts.append(make_receipt(out, request.params, request.seed, self.engine.config.model or ""))
         self._post(items)  # answer first: a receipt that cannot be written must not strand a client
         for receipt in receipts:
-            append_receipt(self.receipts, receipt)  # type: ignore[arg-type]
+            try:
+                append_receipt(self.receipts, receipt)  # type: ignore[arg-type]
+            except OSError:  # nor stop the engine: the response went out, its receipt is lost
+                logger.exception("could not write the receipt of %s to %s", receipt["request_id"], self.receipts)
 
     def _streams(self) -> list[GenerationStream]:
         return list({id(stream): stream for _, stream in self._owned.values()}.values())
