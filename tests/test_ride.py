@@ -27,7 +27,7 @@ from sid.model.builtin import write_checkpoint
 from sid.repro import Repro, summarize
 from sid.runtime import gemm
 from sid.runtime.faults import FAULTS, batch_noise
-from sid.runtime.gemm import GemmPath, Gemms, candidates, prove, prove_plan, run
+from sid.runtime.gemm import GemmPath, Gemms, candidates, prove, prove_columns, prove_plan, run
 from tests.test_determinism import CROWD, PROMPT, crowd_params, det, fresh_process_output
 
 BF16 = dict(dtype="bfloat16")
@@ -305,6 +305,28 @@ def test_head_groupings_pass_the_self_test_and_ride(
     beside = llm.generate(prompts, params, use_tqdm=False)[2].outputs[0]
     assert beside.token_ids == alone.token_ids
     assert beside.logprobs == alone.logprobs
+
+
+def test_column_proof_refuses_a_gemm_whose_columns_change_with_their_company(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TP-invariant proof of a column-parallel GEMM: shards of a 12-head qkv at TP 1, 2
+    and 4 (the last one's rows not contiguous, as a rank's q, k and v are). The CPU's tiled
+    path passes; a GEMM that moves a column by one ulp whenever it runs beside fewer columns
+    than the whole is refused, naming it."""
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(96, 48, generator=gen), torch.randn(96, generator=gen)
+    shards = [torch.arange(96), torch.arange(48), torch.cat([torch.arange(8, 16), torch.arange(40, 64)])]
+    sizes = PassSizes.grid(1, 64, 4, cover=True).sizes
+    tiled = GemmPath("cpu", 16)
+    assert prove_columns(tiled, weight, bias, 96, shards, sizes) is None
+    linear = torch.nn.functional.linear
+
+    def company(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        out = linear(x, w, b)
+        return out if w.shape[0] == 96 else torch.nextafter(out, torch.full_like(out, torch.inf))
+
+    monkeypatch.setattr(torch.nn.functional, "linear", company)
+    broken = prove_columns(tiled, weight, bias, 96, shards, sizes)
+    assert broken == "a column changes bits between calls of 96 and 48 columns"
 
 
 def test_gemm_proof_compares_every_size_on_many_outputs() -> None:

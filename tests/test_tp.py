@@ -24,8 +24,10 @@ import torch.distributed as dist
 
 from sid import LLM, SamplingParams
 from sid.engine.engine import LLMEngine
+from sid.engine.inputs import DEFAULT_DETERMINISTIC_SEED
 from sid.engine.selftest import DeterminismSelfTestError
 from sid.model.builtin import write_checkpoint
+from sid.receipts import make_receipt, replay
 from sid.runtime.distributed import STEP, ControlChannel, ControlReceiver
 from sid.runtime.faults import FAULTS
 from sid.runtime.model_runner import StepInputs
@@ -144,22 +146,30 @@ def grouped_llama(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path)
     return path
 
 
-def test_tp_invariant_chunks_give_the_same_bits_at_tp_1_2_and_4(grouped_llama: Path) -> None:
+def test_tp_invariant_chunks_give_the_same_bits_and_receipts_at_tp_1_2_and_4(grouped_llama: Path) -> None:
     """With the row-parallel K split into 4 chunks summed in one tree, deterministic requests
-    (greedy and seeded) get the same tokens and logprobs at every TP size; without the
-    option, TP=2 misses them."""
+    (greedy and seeded) get the same tokens and logprobs at every TP size, under one
+    fingerprint: receipts written at TP=1 replay at TP=2 and 4. Without the option, TP=2
+    misses them, and its fingerprint names its TP size."""
     prompts = ["def main(", "import os\n"]
     params = [det(12, logprobs=2), det(12, temperature=1.0, seed=3, logprobs=2)]
+    seeds = [DEFAULT_DETERMINISTIC_SEED, 3]
 
-    def run(tp: int, chunks: int | None) -> list[tuple[list[int], object]]:
+    def run(tp: int, chunks: int | None, receipts: tuple[dict, ...] = ()) -> tuple[list, str, list[dict], list[bool]]:
         small = dict(num_kv_blocks=128, max_num_batched_tokens=64, max_num_seqs=8)  # a quick start-up proof
         with tp_llm(grouped_llama, tp, tp_invariant_chunks=chunks, **small) as llm:
             outs = llm.generate(prompts, params, use_tqdm=False)
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+            engine = llm.llm_engine
+            replayed = [replay(engine, r).match for r in receipts]
+        written = [make_receipt(o, p, seed, str(grouped_llama)) for o, p, seed in zip(outs, params, seeds)]
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], engine.fingerprint, written, replayed
 
-    one = run(1, 4)
-    assert run(2, 4) == one and run(4, 4) == one
-    assert run(2, None) != one
+    one, fingerprint, receipts, _ = run(1, 4)
+    for tp in (2, 4):
+        outs, other, _, replayed = run(tp, 4, tuple(receipts))
+        assert outs == one and other == fingerprint and replayed == [True, True], f"TP={tp}"
+    outs, other, _, _ = run(2, None)
+    assert outs != one and other != run(1, None)[1]
 
 
 def test_self_test_refuses_at_tp2_and_stops_the_workers(

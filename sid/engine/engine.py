@@ -26,11 +26,12 @@ from sid.engine.router import RequestContext, Router
 from sid.engine.scheduler import Scheduler
 from sid.engine.windowed import CPU_COST, GPU_COST, DeterminismStats, WindowedLane, verify
 from sid.model.config import ModelConfig
+from sid.model.decoder import column_families
 from sid.model.loader import build_model
 from sid.outputs import RequestOutput
 from sid.runtime.attention import PagedKVCache, get_backend
 from sid.runtime.cuda_graphs import GraphSpec, decode_buckets
-from sid.runtime.gemm import CPU_TILE, candidates, fast_path, pad_floors, prove_plan
+from sid.runtime.gemm import CPU_TILE, candidates, fast_path, pad_floors, prove_families, prove_plan, shape_of
 from sid.runtime.model_runner import ChunkResult, ModelRunner, placeholder
 from sid.runtime.piecewise_graphs import piece_buckets
 from sid.runtime.tp_worker import TPWorkers
@@ -186,10 +187,19 @@ class LLMEngine:
         size of ``sizes`` (``sid.runtime.gemm``). With one for every shape, deterministic rows
         ride in ordinary passes padded to those sizes (unless a windowed strategy is asked
         for) and canonical passes may be as small as one row; without, deterministic requests
-        take the windowed canonical lane at today's ``M_canon``."""
-        strategy = self.config.determinism_strategy
+        take the windowed canonical lane at today's ``M_canon``. With ``tp_invariant_chunks``,
+        the column-parallel GEMMs take paths proven for every TP size the chunks cover, so the
+        fingerprint need not name the TP size (``Gemms.tp_free``)."""
+        config = self.config
+        strategy = config.determinism_strategy
         paths = candidates(self.device, CPU_TILE)
-        plan, self.gemm_failures = prove_plan(self.model.gemm_weights(), paths, list(sizes.sizes))
+        chunks = config.tp_invariant_chunks
+        families = prove_families(
+            column_families(self.model_config, chunks) if chunks else [], paths, list(sizes.sizes), self.dtype,
+            self.device, config.tensor_parallel_size,
+        )  # fmt: skip
+        plan, failures = prove_plan(self.model.gemm_weights(), paths, list(sizes.sizes), families.shapes)
+        self.gemm_failures = {**families.failures, **failures}
         if plan is None:
             if strategy == "ride":
                 failed = "; ".join(f"{k}: {v}" for k, v in self.gemm_failures.items())
@@ -198,6 +208,9 @@ class LLMEngine:
             return
         gemms = self.model.gemms
         gemms.invariant, gemms.sizes = plan, sizes
+        if families.shapes:
+            pieces = {shape_of(w, None) for w in self.model.chunk_weights()}
+            gemms.tp_free = families.names | {f"chunk {o}x{i}": str(plan[o, i, b]) for o, i, b in sorted(pieces)}
         gemms.min_rows = pad_floors(plan, self.model.gemm_weights(), gemms.fast)
         if self.workers is not None:
             self.workers.set_gemms(gemms)

@@ -2,7 +2,8 @@
 
 It hashes everything that fixes the canonical numerics: the GEMM path of every weight shape
 (where they are proven row-invariant at every row count; otherwise the GEMM library and the
-canonical row count), dtype, tensor-parallel size, the attention backend's fixed constants,
+canonical row count), dtype, tensor-parallel size (unless TP-invariant sums hold a row's bits
+at every TP size they cover), the attention backend's fixed constants,
 the source of every module on the numerics path, library versions, the processor (GPU model,
 or CPU model, ISA and thread count) and a digest of the weights. Engine settings that must
 *not* matter (KV pool size, max_num_seqs, prefix caching, CUDA graphs, verify window, chunk
@@ -75,12 +76,15 @@ def numerics_config(engine: LLMEngine) -> dict[str, Any]:
     from sid.kernels import triton_version
 
     config, gemms = engine.config, engine.model.gemms
+    # With TP-invariant sums on paths that every TP size shares, a row's bits are those of every
+    # TP size the chunks cover: a receipt replays at any of them.
+    tp_free = gemms.tp_free is not None
     return {
         # Rows keep their bits at every pass size under proven GEMMs, so M_canon fixes no bits then.
         "canonical_rows": None if gemms.invariant is not None else engine.canonical_rows,
-        "gemms": gemms.describe() if gemms.invariant is not None else str(gemms.fast),
+        "gemms": gemms.tp_free if tp_free else gemms.describe() if gemms.invariant is not None else str(gemms.fast),
         "dtype": str(engine.dtype),
-        "tensor_parallel_size": config.tensor_parallel_size,
+        "tensor_parallel_size": None if tp_free else config.tensor_parallel_size,
         "tp_invariant_chunks": config.tp_invariant_chunks,
         "attention": engine.backend.canonical_config(),
         "sources": source_digest(),

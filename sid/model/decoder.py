@@ -97,6 +97,43 @@ class Shard(HeadLayout):
         )
 
 
+@dataclass(frozen=True)
+class ColumnFamily:
+    """A column-parallel GEMM of the whole model (qkv, gate_up, the LM head), and the rows of
+    its weight that each rank holds at each TP size: under TP-invariant sums its path must give
+    a column the same bits whichever of these shards computes it."""
+
+    name: str
+    rows: int
+    """Rows of the whole model's weight (its output features)."""
+    in_features: int
+    bias: bool
+    shards: dict[tuple[int, int], torch.Tensor]
+    """(TP size, rank) -> that rank's rows, as indices into the whole weight; indices from
+    ``rows`` on are a vocabulary shard's padding."""
+
+
+def column_families(cfg: ModelConfig, chunks: int) -> list[ColumnFamily]:
+    """The column-parallel GEMMs at every TP size that TP-invariant sums of ``chunks`` cover
+    (the powers of two up to ``chunks``), with each rank's rows, as ``Shard.of`` deals them."""
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    qkv, gate_up, vocab = {}, {}, {}
+    for size in (1 << i for i in range(chunks.bit_length())):
+        for rank in range(size):
+            sh = Shard.of(cfg, rank, size)
+            q_rows = torch.arange(sh.q_size) + rank * sh.q_size
+            kv_rows = torch.arange(sh.kv_size) + sh.kv_head_start * cfg.head_dim
+            qkv[size, rank] = torch.cat([q_rows, q + kv_rows, q + kv + kv_rows])
+            mlp = torch.arange(sh.intermediate_size) + rank * sh.intermediate_size
+            gate_up[size, rank] = torch.cat([mlp, inter + mlp])
+            vocab[size, rank] = torch.arange(sh.vocab_rows) + sh.vocab_start
+    return [
+        ColumnFamily("qkv", q + 2 * kv, cfg.hidden_size, cfg.qkv_bias, qkv),
+        ColumnFamily("gate_up", 2 * inter, cfg.hidden_size, False, gate_up),
+        ColumnFamily("lm_head", cfg.vocab_size, cfg.hidden_size, False, vocab),
+    ]
+
+
 def _row_parallel(tp: TensorParallel | None, layer: Linear, x: torch.Tensor, canonical: bool) -> torch.Tensor:
     """A row-parallel layer (o_proj, down_proj: no bias) summed over the ranks; with
     TP-invariant chunks, in a pass with canonical rows, as one tree of K chunks (``Gemms.row_parallel``)."""
@@ -209,8 +246,12 @@ class CausalLM(nn.Module):
     def gemm_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """(weight, bias) of every GEMM the model runs, the LM head included."""
         layers = [(m.weight, m.bias) for m in self.modules() if isinstance(m, Linear)]
-        layers += [(w, None) for m in self.modules() if isinstance(m, Linear) for w in m.chunks]
+        layers += [(w, None) for w in self.chunk_weights()]
         return layers if self.lm_head is not None else [*layers, (self.embed_tokens.weight, None)]
+
+    def chunk_weights(self) -> list[torch.Tensor]:
+        """The row-parallel layers' K chunks (``split_row_parallel``): the same shapes at every TP size."""
+        return [w for m in self.modules() if isinstance(m, Linear) for w in m.chunks]
 
     def split_row_parallel(self, chunks: int) -> None:
         """TP-invariant sums (``Gemms.row_parallel``): o_proj and down_proj split their K into

@@ -61,6 +61,7 @@ from sid.runtime.transfer import upload
 
 if TYPE_CHECKING:
     from sid.engine.plan import PassSizes
+    from sid.model.decoder import ColumnFamily
 
 for _name, _value in (("CUBLAS_WORKSPACE_CONFIG", ":0:0"), ("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0")):
     os.environ.setdefault(_name, _value)
@@ -185,6 +186,10 @@ class Gemms:
     """This rank's share of the TP-invariant K-split (``tp_invariant_chunks`` / TP size):
     row-parallel GEMMs of passes with canonical rows run in that many chunks of their inputs,
     summed in a fixed tree (``row_parallel``); None = one GEMM."""
+    tp_free: dict[str, str] | None = None
+    """With TP-invariant sums whose paths every TP size shares: the paths that fix a canonical
+    row's bits, named without the TP size (the column-parallel GEMMs by the whole model's
+    shapes, the row-parallel chunks by theirs), for a fingerprint that holds at every TP size."""
 
     def select(self, invariant: bool, split: RowSplit | None = None) -> None:
         """The paths of the GEMMs to come: the fast ones, or (``invariant``) the proven ones
@@ -317,6 +322,83 @@ def prove(path: GemmPath, weight: torch.Tensor, bias: torch.Tensor | None, sizes
     return None
 
 
+def prove_columns(
+    path: GemmPath, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, shards: Iterable[torch.Tensor],
+    sizes: Iterable[int],
+) -> str | None:
+    """None if ``path`` proves row-invariant (``prove``) on every shard of ``weight``'s rows
+    and gives each of the first ``rows`` columns the same bits in a call on any shard's rows
+    (indices into ``weight``) as in one call on all ``rows``; otherwise what broke. Columns of
+    a shard from ``rows`` on (a vocabulary shard's padding) are not compared. The columns are
+    compared at one proven row count: with rows invariant at every proven count, that holds
+    them at all of them."""
+    shards = [idx.to(weight.device) for idx in shards]
+    for n in sorted({len(idx) for idx in shards}):  # one proof a shard shape
+        idx = next(i for i in shards if len(i) == n)
+        broken = prove(path, weight[idx], None if bias is None else bias[idx], sizes)
+        if broken is not None:
+            return f"at {n} of {rows} columns: {broken}"
+    m = max(sizes)
+    narrowest = min(len(idx) for idx in shards)
+    calls = -(-PROOF_ELEMENTS // (m * narrowest)) if torch.finfo(weight.dtype).bits < 32 else 1
+    gen = torch.Generator(device=weight.device).manual_seed(rows)
+    with torch.inference_mode():
+        for _ in range(calls):
+            x = torch.randn(m, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
+            whole = run(path, x, weight[:rows], None if bias is None else bias[:rows])
+            for idx in shards:
+                out = run(path, x, weight[idx], None if bias is None else bias[idx])
+                kept = idx < rows
+                if not torch.equal(out[:, kept], whole[:, idx[kept]]):
+                    return f"a column changes bits between calls of {rows} and {len(idx)} columns"
+    return None
+
+
+@dataclass
+class FamilyPlan:
+    """The column-parallel GEMMs' paths where one path serves every TP size (``prove_families``)."""
+
+    shapes: dict[Shape, GemmPath]
+    """This rank's shard shapes and their paths (empty: no path serves every TP size)."""
+    names: dict[str, str]
+    """The same paths by the whole model's GEMM, named without a TP size (the fingerprint's)."""
+    failures: dict[str, str]
+
+
+def prove_families(
+    families: list[ColumnFamily], paths: tuple[GemmPath, ...], sizes: list[int], dtype: torch.dtype,
+    device: torch.device, tp_size: int,
+) -> FamilyPlan:
+    """Per column-parallel GEMM of the model, the first path of ``paths`` that gives its
+    columns the same bits in every rank's shard at every TP size (``prove_columns``, on random
+    weights of the whole model's shape). Every TP size then makes the same choice, so a row
+    gets the same bits at each. No plan where a GEMM has no such path, or where two share a
+    shard shape at ``tp_size`` but not a path."""
+    chosen: dict[str, GemmPath] = {}
+    failures: dict[str, str] = {}
+    for family in families:
+        gen = torch.Generator(device=device).manual_seed(family.rows)
+        rows = max(family.rows, *(int(idx.max()) + 1 for idx in family.shards.values()))
+        weight = torch.randn(rows, family.in_features, generator=gen, device=device).to(dtype)
+        bias = torch.randn(rows, generator=gen, device=device).to(dtype) if family.bias else None
+        for path in paths:
+            broken = prove_columns(path, weight, bias, family.rows, family.shards.values(), sizes)
+            if broken is None:
+                chosen[family.name] = path
+                break
+            failures[f"{family.name} {path}"] = broken
+        else:
+            return FamilyPlan({}, {}, failures)
+    shapes: dict[Shape, GemmPath] = {}
+    for family in families:
+        shape = (len(family.shards[tp_size, 0]), family.in_features, family.bias)
+        if shapes.setdefault(shape, chosen[family.name]) != chosen[family.name]:
+            failures[family.name] = f"shares its shard shape {shape} with a GEMM of another path"
+            return FamilyPlan({}, {}, failures)
+    names = {f"{f.name} {f.rows}x{f.in_features}{'+bias' if f.bias else ''}": str(chosen[f.name]) for f in families}
+    return FamilyPlan(shapes, names, failures)
+
+
 def _rows_at(
     path: GemmPath, x: torch.Tensor, m: int, rows: int, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -363,11 +445,13 @@ def pad_floors(
 
 
 def prove_plan(
-    layers: Iterable[tuple[torch.Tensor, torch.Tensor | None]], paths: tuple[GemmPath, ...], sizes: list[int]
+    layers: Iterable[tuple[torch.Tensor, torch.Tensor | None]], paths: tuple[GemmPath, ...], sizes: list[int],
+    decided: dict[Shape, GemmPath] | None = None,
 ) -> tuple[dict[Shape, GemmPath] | None, dict[str, str]]:
     """The first path of ``paths`` proven for each distinct shape of ``layers`` (weight, bias),
-    or None when some shape has none; and, per shape, why the paths before it failed."""
-    plan: dict[Shape, GemmPath] = {}
+    or None when some shape has none; and, per shape, why the paths before it failed. Shapes
+    in ``decided`` (proven already) keep their path."""
+    plan: dict[Shape, GemmPath] = dict(decided or {})
     failures: dict[str, str] = {}
     for weight, bias in layers:
         shape = shape_of(weight, bias)
