@@ -263,6 +263,8 @@ def test_gemm_proof_tells_invariant_paths_from_others() -> None:
     plan, failures = prove_plan([(weight, None), (weight, None)], candidates(torch.device("cpu"), 16), list(sizes))
     assert plan == {(256, 384, False): GemmPath("cpu", 16)} and list(failures) == ["256x384 cpu", "256x384 cpu:max32"]
     assert prove_plan([(weight, None)], (GemmPath("cpu"),), list(sizes))[0] is None
+    decided = {(256, 384, False): GemmPath("cpu")}  # a path chosen elsewhere is still proven on these weights
+    assert prove_plan([(weight, None)], candidates(torch.device("cpu"), 16), list(sizes), decided)[0] is None
     x = torch.randn(70, 384, generator=gen)  # the bounded path: calls of 32, 32 and 6 rows, none padded
     want = torch.cat([torch.nn.functional.linear(part, weight) for part in x.split(32)])
     assert torch.equal(run(GemmPath("cpu", max_rows=32), x, weight), want)

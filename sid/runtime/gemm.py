@@ -449,15 +449,16 @@ def prove_plan(
     decided: dict[Shape, GemmPath] | None = None,
 ) -> tuple[dict[Shape, GemmPath] | None, dict[str, str]]:
     """The first path of ``paths`` proven for each distinct shape of ``layers`` (weight, bias),
-    or None when some shape has none; and, per shape, why the paths before it failed. Shapes
-    in ``decided`` (proven already) keep their path."""
-    plan: dict[Shape, GemmPath] = dict(decided or {})
+    or None when some shape has none; and, per shape, why the paths before it failed. A shape
+    in ``decided`` may take only its path there (proven on these weights too)."""
+    plan: dict[Shape, GemmPath] = {}
     failures: dict[str, str] = {}
     for weight, bias in layers:
         shape = shape_of(weight, bias)
         if shape in plan:
             continue
-        for path in paths:
+        chosen = (decided or {}).get(shape)
+        for path in (chosen,) if chosen else paths:
             broken = prove(path, weight, bias, sizes)
             if broken is None:
                 plan[shape] = path
