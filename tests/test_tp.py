@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from sid import LLM, SamplingParams
 from sid.engine.engine import LLMEngine
+from sid.engine.fingerprint import weights_digest
 from sid.engine.inputs import DEFAULT_DETERMINISTIC_SEED
 from sid.engine.selftest import DeterminismSelfTestError
 from sid.model.builtin import write_checkpoint
@@ -170,6 +171,13 @@ def test_tp_invariant_chunks_give_the_same_bits_and_receipts_at_tp_1_2_and_4(gro
         assert outs == one and other == fingerprint and replayed == [True, True], f"TP={tp}"
     outs, other, _, _ = run(2, None)
     assert outs != one and other != run(1, None)[1]
+
+
+def test_dummy_weights_of_another_tp_size_are_another_model(grouped_llama: Path) -> None:
+    """Each rank draws its dummy shard for itself, so TP=2's random model is not TP=1's: their
+    weights digests differ, and no fingerprint lets one's receipts replay on the other."""
+    assert weights_digest(grouped_llama, "dummy", 0, 1) != weights_digest(grouped_llama, "dummy", 0, 2)
+    assert weights_digest(grouped_llama, "auto", 0, 1) == weights_digest(grouped_llama, "auto", 0, 2)
 
 
 def test_self_test_refuses_at_tp2_and_stops_the_workers(

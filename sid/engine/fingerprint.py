@@ -47,11 +47,12 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-def weights_digest(model_dir: Path, load_format: str, seed: int) -> str:
-    """Digest of the weight files' bytes (or of the config and seed for dummy weights)."""
+def weights_digest(model_dir: Path, load_format: str, seed: int, tp_size: int) -> str:
+    """Digest of the weight files' bytes (or of the config, seed and TP size for dummy weights,
+    which each rank draws for itself: another TP size is another random model)."""
     h = xxhash.xxh3_128()
     if load_format == "dummy":
-        h.update(f"dummy:{seed}:".encode())
+        h.update(f"dummy:{seed}:{tp_size}:".encode())
         h.update((model_dir / "config.json").read_bytes())
         return h.hexdigest()
     for f in sorted(model_dir.glob("*.safetensors")):
@@ -91,7 +92,7 @@ def numerics_config(engine: LLMEngine) -> dict[str, Any]:
         "torch": torch.__version__,
         "triton": triton_version(),
         "processor": processor(engine.device),
-        "weights": weights_digest(engine.path, config.load_format, config.seed),
+        "weights": weights_digest(engine.path, config.load_format, config.seed, config.tensor_parallel_size),
         "architecture": engine.model_config.architecture,
     }
 
