@@ -542,6 +542,23 @@ def test_canonical_bits_do_not_depend_on_how_splits_are_spread(monkeypatch: pyte
     _close(a, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
 
 
+@pytest.mark.parametrize("decode", [False, True], ids=["prompt rows", "decode"])
+def test_canonical_bits_of_a_head_do_not_depend_on_the_heads_beside_it(decode: bool) -> None:
+    """A rank under tensor parallelism holds some KV heads and their query heads, in a cache of
+    its own: each head's canonical rows get the bits they get beside all the others, as
+    TP-invariant sums promise a deterministic request at every TP size."""
+    pool = Pool(600, 4, 64, torch.float32, seed=41)
+    shapes = [(SPLIT + 60, 1), (300, 1), (2 * SPLIT + 3, 1)] if decode else mixed_shapes(True)
+    batch = mixed_batch(pool, 8, shapes)
+    whole = attention.paged_attention(*batch.args(pool), 0.125, canonical=True)
+    for size, rank in ((2, 0), (2, 1), (4, 3)):  # GQA 2: KV heads 0-1 / 2-3 / 3, query heads twice as many
+        kv, heads = slice(rank * 4 // size, (rank + 1) * 4 // size), slice(rank * 8 // size, (rank + 1) * 8 // size)
+        k, v = pool.k[:, :, kv].contiguous(), pool.v[:, :, kv].contiguous()
+        q = batch.q[:, heads].contiguous()
+        part = attention.paged_attention(q, k, v, *batch.args(pool)[3:], 0.125, canonical=True)
+        assert torch.equal(part, whole[:, heads]), f"TP={size}, rank {rank}"
+
+
 def test_decode_rows_fold_many_short_splits_with_the_bits_of_one_split_a_program(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
