@@ -79,13 +79,17 @@ def numerics_config(engine: LLMEngine) -> dict[str, Any]:
     config, gemms = engine.config, engine.model.gemms
     # With TP-invariant sums on paths that every TP size shares, a row's bits are those of every
     # TP size the chunks cover: a receipt replays at any of them.
-    tp_free = gemms.tp_free is not None
+    paths: dict[str, str] | str = str(gemms.fast)
+    if gemms.tp_free is not None:
+        paths = gemms.tp_free
+    elif gemms.invariant is not None:
+        paths = gemms.describe()
     return {
         # Rows keep their bits at every pass size under proven GEMMs, so M_canon fixes no bits then.
         "canonical_rows": None if gemms.invariant is not None else engine.canonical_rows,
-        "gemms": gemms.tp_free if tp_free else gemms.describe() if gemms.invariant is not None else str(gemms.fast),
+        "gemms": paths,
         "dtype": str(engine.dtype),
-        "tensor_parallel_size": None if tp_free else config.tensor_parallel_size,
+        "tensor_parallel_size": None if gemms.tp_free is not None else config.tensor_parallel_size,
         "tp_invariant_chunks": config.tp_invariant_chunks,
         "attention": engine.backend.canonical_config(),
         "sources": source_digest(),

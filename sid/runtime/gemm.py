@@ -333,9 +333,13 @@ def prove_columns(
     compared at one proven row count: with rows invariant at every proven count, that holds
     them at all of them."""
     shards = [idx.to(weight.device) for idx in shards]
+
+    def rows_of(idx: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return weight[idx], None if bias is None else bias[idx]
+
     for n in sorted({len(idx) for idx in shards}):  # one proof a shard shape
         idx = next(i for i in shards if len(i) == n)
-        broken = prove(path, weight[idx], None if bias is None else bias[idx], sizes)
+        broken = prove(path, *rows_of(idx), sizes)
         if broken is not None:
             return f"at {n} of {rows} columns: {broken}"
     m = max(sizes)
@@ -345,9 +349,9 @@ def prove_columns(
     with torch.inference_mode():
         for _ in range(calls):
             x = torch.randn(m, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
-            whole = run(path, x, weight[:rows], None if bias is None else bias[:rows])
+            whole = run(path, x, *rows_of(slice(rows)))
             for idx in shards:
-                out = run(path, x, weight[idx], None if bias is None else bias[idx])
+                out = run(path, x, *rows_of(idx))
                 kept = idx < rows
                 if not torch.equal(out[:, kept], whole[:, idx[kept]]):
                     return f"a column changes bits between calls of {rows} and {len(idx)} columns"
