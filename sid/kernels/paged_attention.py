@@ -55,8 +55,8 @@ Steps with prompt rows (the prefill work):
 * Keys come from two places. The cache holds every key, the step's own already stored; a
   sequence's keys before its first query row (its cached prefix) are gathered through the
   block table, and when the caller passes the step's own ``k``/``v`` the keys from that row
-  on are read from them, whole tiles of consecutive rows (TMA descriptor loads in the fast
-  schedule on sm_90 and later). The values are the cache's, so nothing changes but the loads.
+  on are read from them, whole tiles of consecutive rows (TMA descriptor loads in both
+  schedules on sm_90 and later). The values are the cache's, so nothing changes but the loads.
 * Causal block skipping: the tiles every row of a query block sees whole run without the
   mask; only the one or two diagonal tiles apply it. A mask that hides nothing is an identity,
   and the canonical arithmetic rounds each score on its own (``_rounded_product``) so that the
@@ -133,7 +133,13 @@ against 1.51 for 128-key tiles, 2.38 for 4 warps)."""
 
 _COMBINE_NUM_WARPS = 4
 _COMBINE_PREFETCH = 8
-"""Splits whose partials the combine kernel loads at once (an unrolled step of its fold)."""
+"""Splits whose partials a combine program of a decode block loads at once, all before it
+folds the first (H200, Qwen3-0.6B heads, a lone row: 32k keys 55.0 us a layer against 65.1
+when each split's loads sat beside its fold; 2026-12-02)."""
+_COMBINE_PREFETCH_ELEMENTS = _COMBINE_PREFETCH * 16 * 128
+"""Partial values a combine program holds in flight at most: a 128-row prompt block's program
+prefetches fewer splits (eight of its 64 KB states spilled: 4 x 512 fast prefill 137 us
+against 52)."""
 _COMBINE_DIMS = 32
 """Head dimensions one combine program folds when the batch leaves multiprocessors idle: a
 lone row's partials spread over several programs. A full batch keeps one program per head,
@@ -770,9 +776,11 @@ def _combine_kernel(
     m_i = tl.load(part_max_ptr + part, mask=rows, other=0.0)
     l_i = tl.load(part_sum_ptr + part, mask=rows, other=1.0)
     acc = tl.load(part_acc_ptr + part[:, None] * DIM + dims[None, :], mask=rows[:, None] & dim_ok[None, :], other=0.0)
-    # Unrolled by PREFETCH so the loads of several splits are in flight at once: the fold is
-    # serial, its loads are not (a lone long row has dozens of splits).
+    # PREFETCH splits a step: every state of the step is loaded before the first is folded, so
+    # their loads are in flight at once. The fold is serial, its loads are not (a lone long
+    # row has dozens of splits).
     for base in range(group, block_splits, PREFETCH):
+        states = ()
         for i in tl.static_range(PREFETCH):
             live = rows & (base + i < row_splits)
             m_s = tl.load(part_max_ptr + part + base + i, mask=live, other=float("-inf"))
@@ -782,6 +790,9 @@ def _combine_kernel(
                 mask=live[:, None] & dim_ok[None, :],
                 other=0.0,
             )
+            states = states + ((m_s, l_s, acc_s),)
+        for i in tl.static_range(PREFETCH):
+            m_s, l_s, acc_s = states[i]
             m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
     tl.store(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
@@ -1077,10 +1088,10 @@ def _launch(
     dim = max(16, triton.next_power_of_2(head_dim))
     # A decode launch's sequences have one row each: a block a sequence (``_block_rows``).
     grid = (num_seqs if not sched.prompt else num_tokens // block_q + 2 * num_seqs, num_kv_heads)
-    # Descriptors serve the fast prefill. The canonical prompt launch reads plain loads: with
-    # descriptors its former 32-row mma.sync blocks spilled 372 bytes a thread against 124
-    # (ptxas, sm_90a, Triton 3.6); its 128-row wgmma blocks were not timed with them yet.
-    use_tma = k is not None and sched.fast_prefill
+    # Both schedules read the pass's own keys through descriptors (the canonical prompt launch:
+    # 1 x 8,192 1,203 us against 1,265 with plain loads, 8 x 2,048 827 against 845, the same
+    # bits; H200, Qwen3-0.6B heads, 2026-12-02).
+    use_tma = k is not None
     k_desc, v_desc = _tensor_descriptors(k, v, sched.kv_tile, head_dim) if use_tma else (None, None)
     new_strides = (*k.stride(), *v.stride()) if k is not None else (0,) * 6
     stages = _stages(sched, k_cache.element_size())
@@ -1156,6 +1167,6 @@ def _launch(
             DIM=dim,
             DIMS=min(dim, dims),
             PROMPT=sched.prompt,
-            PREFETCH=_COMBINE_PREFETCH,
+            PREFETCH=max(1, min(_COMBINE_PREFETCH, _COMBINE_PREFETCH_ELEMENTS // (sched.block_m * min(dim, dims)))),
             num_warps=_COMBINE_NUM_WARPS,
         )
