@@ -14,13 +14,21 @@ K/V given, 2026-12-02), because the contiguous loads it can prove become pipelin
 Prints JSON: one entry per (launch, dtype) with the bytes asked for (a combine launch, where
 the schedule makes one, as a separate entry).
 
-    python tests/sm90_shared_memory.py
+``--registers`` goes on to PTX and runs the ``ptxas`` that ships with Triton (``-v``): the
+registers a thread of each bf16 attention launch uses and the bytes it spills, which decide
+how fast a program runs and are not seen without a GPU otherwise (2026-12-02: the canonical
+prompt launch 255 registers and 1,544 bytes of spill stores a thread, the fast one 16).
+
+    python tests/sm90_shared_memory.py [--registers]
 """
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -89,41 +97,58 @@ def launches(dtype: torch.dtype, canonical: bool, query_len: int) -> list[Launch
 
 def shared_bytes(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """Bytes of shared memory one program of this launch asks for on sm_90."""
+    return _lowered(kernel, args, kwargs, "llir")[1]["shared"]
+
+
+def _lowered(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], last: str) -> tuple[Any, dict]:
+    """``triton.compile``'s stages for sm_90 up to ``last`` ("llir", "ptx"): the module and
+    its metadata."""
     backend = make_backend(SM90)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    return _lowered_shared(ASTSource(kernel, signature, constexprs, attrs), options)
-
-
-def _lowered_shared(src: ASTSource, parsed: Any) -> int:
-    """``triton.compile``'s stages for sm_90 up to LLVM IR; the shared bytes it allocated."""
-    backend = make_backend(SM90)
-    stages: dict[str, object] = {}
-    backend.add_stages(stages, parsed, src.language)
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    stages: dict[str, Any] = {}
+    backend.add_stages(stages, options, src.language)
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
-    module = src.make_ir(SM90, parsed, backend.get_codegen_implementation(parsed), backend.get_module_map(), context)
-    metadata = {"target": SM90, **parsed.__dict__}
+    module = src.make_ir(SM90, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+    metadata = {"target": SM90, **options.__dict__}
     for ext, lower in stages.items():
         module = lower(module, metadata)
-        if ext == "llir":
-            return metadata["shared"]
-    raise RuntimeError("no LLVM IR stage for sm_90")
+        if ext == last:
+            return module, metadata
+    raise RuntimeError(f"no {last} stage for sm_90")
+
+
+def registers(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, int]:
+    """Registers a thread of this launch uses on sm_90a and the bytes it spills (``ptxas -v``)."""
+    ptx, _ = _lowered(kernel, args, kwargs, "ptx")
+    ptxas = Path(tl.__file__).parents[1] / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        report = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                                capture_output=True, text=True, check=True).stderr
+    used = re.search(r"Used (\d+) registers", report)
+    spilled = re.search(r"(\d+) bytes spill stores", report)
+    return {"registers": int(used.group(1)) if used else -1, "spill_bytes": int(spilled.group(1)) if spilled else 0}
 
 
 def main() -> None:
-    attention._has_tma = lambda device: True  # as on sm_90: the fast prompt launch takes descriptors
+    attention._has_tma = lambda device: True  # as on sm_90: the prompt launches take descriptors
+    spills = "--registers" in sys.argv
     found = {}
     for name, canonical, query_len in (
         ("canonical prompt", True, 512), ("fast prompt", False, 512),
         ("canonical decode", True, 1), ("fast decode", False, 1),
     ):
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.bfloat16,) if spills else (torch.float32, torch.bfloat16):
             for kernel, args, kwargs in launches(dtype, canonical, query_len):
-                which = name if kernel is attention._attention_kernel else f"{name} combine"
-                found[f"{which} {str(dtype).removeprefix('torch.')}"] = shared_bytes(kernel, args, kwargs)
+                which = f"{name if kernel is attention._attention_kernel else f'{name} combine'} {dtype}"
+                measure = registers if spills else shared_bytes
+                found[which.replace("torch.", "")] = measure(kernel, args, kwargs)
     print(json.dumps(found))
 
 
