@@ -367,11 +367,25 @@ def _target_variants(dtype: torch.dtype) -> tuple[Pool, list[Variant]]:
     return pool, variants
 
 
+GROWING = {"kv_split": 256, "row_splits": 2}
+"""Canonical splits that grow within the targets: 256 keys below position 512, 512 below
+1,024, then 1,024, so FIRST..LAST straddle a change of split size and the EDGES have one or
+two splits of 256 or 512."""
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("impl", ["triton", "reference"])
-def test_canonical_rows_are_bit_identical_in_any_batch(dtype: torch.dtype, impl: str) -> None:
+@pytest.mark.parametrize(
+    ("impl", "config"),
+    [("triton", {}), ("triton", GROWING), ("reference", {})],
+    ids=["triton", "triton-growing-splits", "reference"],
+)
+def test_canonical_rows_are_bit_identical_in_any_batch(
+    dtype: torch.dtype, impl: str, config: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A row's canonical output depends only on its position and keys: not on the other rows,
     the query tiling, chunking, decode vs prefill, the number of sequences, or block placement."""
+    for key, value in config.items():  # canonical constants other than the default
+        monkeypatch.setitem(attention.CANONICAL_CONFIG, key, value)
     pool, variants = _target_variants(dtype)
     scale = 0.125
     results: dict[int, list[torch.Tensor]] = {}
@@ -579,6 +593,25 @@ def test_decode_rows_fold_many_short_splits_with_the_bits_of_one_split_a_program
     for other in outs[1:]:
         assert torch.equal(outs[0], other)
     _close(outs[0], paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
+
+
+def test_canonical_splits_grow_with_the_row_so_no_row_has_more_than_row_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split size is a function of the row's position: ``kv_split`` doubled at each
+    ``row_splits`` splits. The host's partial slots (the most splits of any row up to a length)
+    agree with walking every position. A GQA group whose prompt blocks could straddle a change
+    of size keeps one size."""
+    monkeypatch.setitem(attention.CANONICAL_CONFIG, "kv_split", 256)
+    monkeypatch.setitem(attention.CANONICAL_CONFIG, "row_splits", 4)
+    assert attention._row_splits(4) == 4 and attention._row_splits(3) == 0
+    assert [attention._canonical_split(p, 4) for p in (0, 1023, 1024, 2047, 2048, 4095, 4096)] == [
+        256, 256, 512, 512, 1024, 1024, 2048
+    ]
+    assert attention._canonical_split(10**6, 0) == 256
+    most = 0
+    for pos in range(20_000):
+        most = max(most, pos // attention._canonical_split(pos, 4) + 1)
+        assert attention._canonical_row_splits(pos + 1, 4) == most
+    assert most == 4
 
 
 def test_canonical_sequences_deal_their_own_splits_in_a_launch_sized_for_longer_ones() -> None:

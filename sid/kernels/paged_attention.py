@@ -97,6 +97,7 @@ CANONICAL_CONFIG: dict[str, int] = {
     "prefill_block_m": 128,
     "kv_tile": 128,
     "kv_split": 512,
+    "row_splits": 48,
     "num_warps": 4,
     "prefill_num_warps": 8,
     "num_stages": 3,
@@ -113,11 +114,20 @@ moved by a bf16 ulp between the two). Measured on the H200 (2026-12-01): every p
 4,096-token prompt, GQA 4 and 2, the same bits as a 128-row prompt block, in two chunks, and
 as a lone decode row; 1 x 32k prefill 32.3 ms a layer against 57.8 in 32-row blocks. The
 kernel tests and the start-up self-test check it on every machine. Tiles sit at multiples of
-``kv_tile`` absolute positions, split boundaries at multiples of ``kv_split``. The decode
-block shape was chosen on the H200 by ``benchmarks/canonical_sweep.py`` (block_m 16 decodes
-as fast as the fast schedule; 64 rows on wgmma decode 1.5-2.3x slower). The split is short so
-that one long sequence spreads over the multiprocessors (32k keys: 64 splits per KV head); how
-many splits one program folds is chosen from the batch, so a full batch pays no partials for it.
+``kv_tile`` absolute positions. The decode block shape was chosen on the H200 by
+``benchmarks/canonical_sweep.py`` (block_m 16 decodes as fast as the fast schedule; 64 rows on
+wgmma decode 1.5-2.3x slower).
+
+Splits sit at multiples of a size that grows with the row's position: ``kv_split``, doubled
+until the row has at most ``row_splits`` splits (``_canonical_split``). A short row gets short
+splits, so a lone sequence still spreads over several programs, and a long one no more than
+``row_splits``, which the combine folds one after another. On the H200 (Qwen3-0.6B heads, a
+lone row, a layer; 2026-12-02): 1,024-key splits decoded 32k keys in 47.9 us against 55.0 for
+512 (fast 45.3); 256-key ones decoded 800 keys in 12.2 us against 17.2 (fast 11.1), but a
+canonical prefill in 256-key splits took 1.2-1.3x its time in 512 (sixteenth session), so
+``kv_split`` stays 512 until that is measured again. The size changes at ``row_splits *
+kv_split * 2**k`` keys, multiples of every query block, so the rows of a block share it. How
+many splits one program folds is chosen from the batch, so a full batch pays no partials.
 """
 
 FAST_PREFILL_CONFIG: dict[str, int] = {
@@ -144,6 +154,9 @@ _COMBINE_DIMS = 32
 """Head dimensions one combine program folds when the batch leaves multiprocessors idle: a
 lone row's partials spread over several programs. A full batch keeps one program per head,
 so each program's fixed work (finding its sequence and schedule) is not paid several times."""
+_SPLIT_DOUBLINGS = tl.constexpr(8)
+"""How often a canonical split size may double (``CANONICAL_CONFIG`` ``row_splits``): 512 keys
+grow to 131,072 at most, past any context Sid serves."""
 _MIN_PROGRAM_KEYS = 256
 """A program walks at least this many of a sequence's keys (a fast split, a canonical group of
 splits), so the partials stay cheap."""
@@ -204,6 +217,8 @@ class _Schedule(NamedTuple):
     min_keys: int = 0
     """The fewest keys a program walks: a fast split's least size (``_fast_split``), a
     canonical group's least span."""
+    max_splits: int = 1
+    """The most splits a row of the launch has: its partial slots."""
 
 
 
@@ -285,21 +300,28 @@ def _merge(m_i, l_i, acc, m_s, l_s, acc_s):
 
 @triton.jit
 def _sequence_schedule(
-    canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, min_keys, canonical_split, canonical_programs,
-    TILE: tl.constexpr,
-):
-    """(canonical, served by this launch, split size, splits per program) of sequence ``seq``.
-    Each sequence spreads its own keys over the launch's programs along the keys: a fast one
-    cuts them into ``fast_programs`` splits (``_fast_split``), a canonical one deals its fixed
-    splits out to ``canonical_programs`` programs, so a short sequence beside a long one, or in
-    a graph launched for the model's longest, is not walked by a single program."""
+    canonical_ptr, seq_lens_ptr, seq, last_pos, serve, fast_programs, min_keys, canonical_split, canonical_row_splits,
+    canonical_programs, TILE: tl.constexpr,
+):  # fmt: skip
+    """(canonical, served by this launch, split size, splits per program) of the query block of
+    sequence ``seq`` whose last row is at ``last_pos``. Each sequence spreads its own keys over
+    the launch's programs along the keys: a fast one cuts them into ``fast_programs`` splits
+    (``_fast_split``), a canonical block deals its splits out to ``canonical_programs`` programs,
+    so a short sequence beside a long one, or in a graph launched for the model's longest, is
+    not walked by a single program. A canonical split's size is a function of the row's
+    position alone (``_canonical_split``; ``canonical_row_splits`` 0: a fixed size); every row
+    of a block has the same."""
     canonical = tl.load(canonical_ptr + seq) != 0
     served = (serve & tl.where(canonical, 2, 1)) != 0
     keys = tl.load(seq_lens_ptr + seq)
     fast_split = tl.maximum(tl.cdiv(tl.cdiv(keys, fast_programs), TILE) * TILE, min_keys)
-    split_size = tl.where(canonical, canonical_split, fast_split)
-    least = tl.cdiv(min_keys, canonical_split)
-    group = tl.where(canonical, tl.maximum(tl.cdiv(tl.cdiv(keys, canonical_split), canonical_programs), least), 1)
+    canonical_size = canonical_split
+    for _ in tl.static_range(_SPLIT_DOUBLINGS):  # unrolled, branch-free
+        grow = (canonical_row_splits > 0) & (last_pos >= canonical_row_splits * canonical_size)
+        canonical_size = tl.where(grow, canonical_size * 2, canonical_size)
+    split_size = tl.where(canonical, canonical_size, fast_split)
+    least = tl.cdiv(min_keys, canonical_size)
+    group = tl.where(canonical, tl.maximum(tl.cdiv(last_pos // canonical_size + 1, canonical_programs), least), 1)
     return canonical, served, split_size, group
 
 
@@ -567,7 +589,8 @@ def _store_partial(partials, at, rows, m_i, l_i, acc, dims, dim_ok, DIM: tl.cons
 
 @triton.jit(
     do_not_specialize=[
-        "num_seqs", "serve", "fast_programs", "min_keys", "canonical_split", "canonical_programs", "num_slots",
+        "num_seqs", "serve", "fast_programs", "min_keys", "canonical_split", "canonical_row_splits",
+        "canonical_programs", "num_slots",
         "stride_bt",
     ]
 )
@@ -593,6 +616,7 @@ def _attention_kernel(
     fast_programs,
     min_keys,
     canonical_split,
+    canonical_row_splits,
     canonical_programs,
     num_slots,
     stride_qt,
@@ -646,8 +670,8 @@ def _attention_kernel(
     if done:
         return
     canonical, served, split_size, group = _sequence_schedule(
-        canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, min_keys, canonical_split, canonical_programs,
-        TILE,
+        canonical_ptr, seq_lens_ptr, seq, last_pos, serve, fast_programs, min_keys, canonical_split,
+        canonical_row_splits, canonical_programs, TILE,
     )
     first = tl.program_id(2) * group
     if (~served) | (first * split_size > last_pos):
@@ -721,7 +745,8 @@ def _attention_kernel(
 
 @triton.jit(
     do_not_specialize=[
-        "num_seqs", "serve", "fast_programs", "min_keys", "canonical_split", "canonical_programs", "num_slots"
+        "num_seqs", "serve", "fast_programs", "min_keys", "canonical_split", "canonical_row_splits",
+        "canonical_programs", "num_slots"
     ]
 )
 def _combine_kernel(
@@ -737,6 +762,7 @@ def _combine_kernel(
     fast_programs,
     min_keys,
     canonical_split,
+    canonical_row_splits,
     canonical_programs,
     num_slots,
     stride_ot,
@@ -762,8 +788,8 @@ def _combine_kernel(
     if done:
         return
     _, served, split_size, group = _sequence_schedule(
-        canonical_ptr, seq_lens_ptr, seq, serve, fast_programs, min_keys, canonical_split, canonical_programs,
-        TILE,
+        canonical_ptr, seq_lens_ptr, seq, last_pos, serve, fast_programs, min_keys, canonical_split,
+        canonical_row_splits, canonical_programs, TILE,
     )
     block_splits = last_pos // split_size + 1
     if (~served) | (block_splits <= group):
@@ -884,6 +910,34 @@ def _fast_split(keys: int, programs: int, tile: int, min_keys: int) -> int:
     return max(_cdiv(_cdiv(keys, programs), tile) * tile, min_keys)
 
 
+def _row_splits(group: int) -> int:
+    """The canonical ``row_splits`` of a model whose GQA group is ``group``; 0 (a fixed split
+    size) where a prompt block of its rows (``prefill_block_m // group`` positions) could
+    straddle a change of size: a group that is not a power of two (Qwen2.5-7B's 7, 3 in the
+    trained test model). A function of the model alone, so every batch agrees."""
+    cfg = CANONICAL_CONFIG
+    block_q = max(cfg["prefill_block_m"], triton.next_power_of_2(group)) // group
+    return cfg["row_splits"] if cfg["kv_split"] * cfg["row_splits"] % block_q == 0 else 0
+
+
+def _canonical_split(pos: int, row_splits: int) -> int:
+    """Keys in each canonical split of the row at ``pos`` (``_sequence_schedule`` computes the
+    same in the kernel): ``kv_split``, doubled until the row has at most ``row_splits``."""
+    split = CANONICAL_CONFIG["kv_split"]
+    for _ in range(_SPLIT_DOUBLINGS.value):
+        if row_splits and pos >= row_splits * split:
+            split *= 2
+    return split
+
+
+def _canonical_row_splits(keys: int, row_splits: int) -> int:
+    """The most canonical splits a row among the first ``keys`` positions has: the last row's,
+    or ``row_splits`` for the last row of a shorter split size."""
+    pos = keys - 1
+    split = _canonical_split(pos, row_splits)
+    return max(pos // split + 1, row_splits if split > CANONICAL_CONFIG["kv_split"] else 1)
+
+
 def _min_keys(decode: bool, programs: int, device: torch.device) -> int:
     """The fewest keys a program of a launch with ``programs`` query blocks x KV heads walks."""
     return _FULL_MIN_PROGRAM_KEYS if decode and programs >= _num_sms(device) else _MIN_PROGRAM_KEYS
@@ -913,7 +967,7 @@ def _canonical_schedule(
     prompt = max_query_len > 1
     block_m = max(cfg["prefill_block_m"] if prompt else cfg["block_m"], triton.next_power_of_2(group))
     programs = _query_blocks(num_tokens, num_seqs, max_query_len, block_m // group) * num_kv_heads
-    splits = _cdiv(max_seq_len, cfg["kv_split"])
+    splits = _canonical_row_splits(max_seq_len, _row_splits(group))
     # At least the target's programs: rounding the group up left a lone row of a graph sized
     # for 40,960 keys half of them (80 splits over 66 programs: 2 a program, 40 programs).
     spread = max(1, _target_programs(device) // programs)
@@ -927,6 +981,7 @@ def _canonical_schedule(
         group=max(1, splits // spread, _cdiv(min_keys, cfg["kv_split"])),
         prompt=prompt,
         min_keys=min_keys,
+        max_splits=splits,
     )
 
 
@@ -952,10 +1007,12 @@ def _fast_schedule(
     min_keys = _min_keys(max_query_len == 1, programs, device)
     splits = max(1, min(_cdiv(_target_programs(device), programs), max_seq_len // min_keys, _FAST_MAX_SPLITS))
     split_size = _fast_split(max_seq_len, splits, kv_tile, min_keys)
+    max_splits = _cdiv(max_seq_len, split_size)
     if max_query_len == 1:
-        return _Schedule(block_m, kv_tile, split_size, num_warps, num_stages=3, min_keys=min_keys)
+        return _Schedule(block_m, kv_tile, split_size, num_warps, num_stages=3, min_keys=min_keys, max_splits=max_splits)
     return _Schedule(
-        block_m, kv_tile, split_size, num_warps, cfg["num_stages"], prompt=True, fast_prefill=True, min_keys=min_keys
+        block_m, kv_tile, split_size, num_warps, cfg["num_stages"], prompt=True, fast_prefill=True, min_keys=min_keys,
+        max_splits=max_splits,
     )
 
 
@@ -1016,9 +1073,8 @@ def paged_attention(
     canon = _canonical_schedule(group, *shape) if any_canonical else None
     # Per schedule: a row's splits at most, and its programs along the keys (more than one
     # leave partials for the combine).
-    splits = {s: _cdiv(max_seq_len, s.split_size) for s in (fast, canon) if s is not None}
-    programs = {s: _cdiv(n, s.group) for s, n in splits.items()}
-    slots = max([splits[s] for s, p in programs.items() if p > 1] or [1])
+    programs = {s: _cdiv(s.max_splits, s.group) for s in (fast, canon) if s is not None}
+    slots = max([s.max_splits for s, p in programs.items() if p > 1] or [1])
     if slots > 1:
         part_acc = torch.empty((num_tokens, num_heads, slots, max(16, triton.next_power_of_2(head_dim))),
                                dtype=torch.float32, device=q.device)
@@ -1028,7 +1084,7 @@ def paged_attention(
         part_acc = part_max = part_sum = _unused_partials(q.device)
     args = (
         q, k_cache, v_cache, k, v, out, part_acc, part_max, part_sum, block_tables, seq_lens, query_start_loc, flags,
-        programs[fast] if fast is not None else 1, canon.split_size if canon is not None else 1,
+        programs[fast] if fast is not None else 1, CANONICAL_CONFIG["kv_split"], _row_splits(group),
         programs[canon] if canon is not None else 1, slots, scale, block_size, group, head_dim,
     )
 
@@ -1070,6 +1126,7 @@ def _launch(
     flags: torch.Tensor,
     fast_programs: int,
     canonical_split: int,
+    canonical_row_splits: int,
     canonical_programs: int,
     slots: int,
     scale: float,
@@ -1117,6 +1174,7 @@ def _launch(
         fast_programs,
         sched.min_keys,
         canonical_split,
+        canonical_row_splits,
         canonical_programs,
         slots,
         *q.stride(),
@@ -1142,7 +1200,10 @@ def _launch(
         num_stages=stages,
     )
     if programs > 1:  # partials to fold
-        dims = _COMBINE_DIMS if (num_tokens // block_q + num_seqs) * num_kv_heads < _target_programs(q.device) else dim
+        # A 128-row prompt block's program folds a slice of the head's dimensions too: all 128
+        # in float32 on four warps spilled (ptxas, sm_90a: 824 bytes a thread).
+        few = (num_tokens // block_q + num_seqs) * num_kv_heads < _target_programs(q.device)
+        dims = _COMBINE_DIMS if few or sched.prompt else dim
         _combine_kernel[(*grid, _cdiv(dim, dims))](
             out,
             part_acc,
@@ -1156,6 +1217,7 @@ def _launch(
             fast_programs,
             sched.min_keys,
             canonical_split,
+            canonical_row_splits,
             canonical_programs,
             slots,
             *out.stride(),
