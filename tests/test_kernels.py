@@ -543,13 +543,13 @@ def test_canonical_bits_do_not_depend_on_how_splits_are_spread(monkeypatch: pyte
     batch = mixed_batch(pool, 4, [(3 * SPLIT + 70, 1), (2 * SPLIT + 5, 9), (SPLIT - 3, 1)])
     outs = []
     for target in (1 << 20, 1):  # programs wanted: every split its own / one program folds them all
-        monkeypatch.setattr(attention, "_target_programs", lambda device, target=target: target)
+        monkeypatch.setattr(attention, "_target_programs", lambda device, prompt=False, target=target: target)
         sched = attention._canonical_schedule(2, len(batch.q), 3, 2, 9, 3 * SPLIT + 70, DEVICE)
         outs.append((sched.group, attention.paged_attention(*batch.args(pool), 0.125, canonical=True)))
     (spread, a), (folded, b) = outs
     assert spread == 1 and folded == 4
     assert torch.equal(a, b)
-    monkeypatch.setattr(attention, "_target_programs", lambda device: 1 << 20)
+    monkeypatch.setattr(attention, "_target_programs", lambda device, prompt=False: 1 << 20)
     for dims in (16, 64):  # a head's 64 dimensions folded by 4 programs, or by one
         monkeypatch.setattr(attention, "_COMBINE_DIMS", dims)
         assert torch.equal(attention.paged_attention(*batch.args(pool), 0.125, canonical=True), a), f"{dims} dims"
@@ -585,7 +585,7 @@ def test_decode_rows_fold_many_short_splits_with_the_bits_of_one_split_a_program
     batch = mixed_batch(pool, 4, [(3 * SPLIT + 70, 1), (2 * SPLIT + 5, 1), (300, 1), (256, 1)])
     groups, outs = [], []
     for target, sms in ((1 << 20, 1 << 10), (1 << 20, 1), (1, 1)):  # thin batch; full; full, few programs
-        monkeypatch.setattr(attention, "_target_programs", lambda device, target=target: target)
+        monkeypatch.setattr(attention, "_target_programs", lambda device, prompt=False, target=target: target)
         monkeypatch.setattr(attention, "_num_sms", lambda device, sms=sms: sms)
         groups.append(attention._canonical_schedule(2, 4, 4, 2, 1, 3 * SPLIT + 70, DEVICE).group)
         outs.append(attention.paged_attention(*batch.args(pool), 0.125, canonical=True))

@@ -33,8 +33,9 @@ programs: the spread (``group``) is free to follow the batch.
   program, as in the fast schedule (a full batch folds all of a row's splits in one program
   and writes no partials). Each sequence deals its own splits out to those programs
   (``group`` consecutive splits each), so a short one in a launch sized for longer ones, a
-  CUDA graph's, still gets several. A decode program walks its splits' tiles in one
-  software-pipelined loop, finishing each split at its last tile (``_decode_splits``).
+  CUDA graph's, still gets several. A program walks its splits' tiles in one
+  software-pipelined loop a kind of tile, finishing each split at its last tile
+  (``_decode_splits``, ``_attend_splits``), so the loads do not drain at split boundaries.
   Integer arguments that depend on the batch are not specialised by Triton, so every batch
   runs the same compiled kernel.
 
@@ -96,7 +97,7 @@ CANONICAL_CONFIG: dict[str, int] = {
     "block_m": 16,
     "prefill_block_m": 128,
     "kv_tile": 128,
-    "kv_split": 512,
+    "kv_split": 256,
     "row_splits": 48,
     "num_warps": 4,
     "prefill_num_warps": 8,
@@ -123,11 +124,12 @@ until the row has at most ``row_splits`` splits (``_canonical_split``). A short 
 splits, so a lone sequence still spreads over several programs, and a long one no more than
 ``row_splits``, which the combine folds one after another. On the H200 (Qwen3-0.6B heads, a
 lone row, a layer; 2026-12-02): 1,024-key splits decoded 32k keys in 47.9 us against 55.0 for
-512 (fast 45.3); 256-key ones decoded 800 keys in 12.2 us against 17.2 (fast 11.1), but a
-canonical prefill in 256-key splits took 1.2-1.3x its time in 512 (sixteenth session), so
-``kv_split`` stays 512 until that is measured again. The size changes at ``row_splits *
-kv_split * 2**k`` keys, multiples of every query block, so the rows of a block share it. How
-many splits one program folds is chosen from the batch, so a full batch pays no partials.
+512 (fast 45.3); 256-key ones decoded 800 keys in 12.2 us against 17.0 (fast 11.9), 8 x 1,000
+in 16.3 against 22.0 (fast 15.6). A canonical prefill in 256-key splits took 1.2-1.3x its time
+in 512 while each split ran its own tile loops (sixteenth session); walked in one loop the two
+sizes prefill alike (1 x 8,192: 937 / 943 us). The size changes at ``row_splits * kv_split *
+2**k`` keys, multiples of every query block, so the rows of a block share it. How many splits
+one program folds is chosen from the batch, so a full batch pays no partials.
 """
 
 FAST_PREFILL_CONFIG: dict[str, int] = {
@@ -155,8 +157,8 @@ _COMBINE_DIMS = 32
 lone row's partials spread over several programs. A full batch keeps one program per head,
 so each program's fixed work (finding its sequence and schedule) is not paid several times."""
 _SPLIT_DOUBLINGS = tl.constexpr(8)
-"""How often a canonical split size may double (``CANONICAL_CONFIG`` ``row_splits``): 512 keys
-grow to 131,072 at most, past any context Sid serves."""
+"""How often a canonical split size may double (``CANONICAL_CONFIG`` ``row_splits``): 256 keys
+grow to 65,536 at most, whose 48 splits hold 3.1M keys, past any context Sid serves."""
 _MIN_PROGRAM_KEYS = 256
 """A program walks at least this many of a sequence's keys (a fast split, a canonical group of
 splits), so the partials stay cheap."""
@@ -219,6 +221,8 @@ class _Schedule(NamedTuple):
     canonical group's least span."""
     max_splits: int = 1
     """The most splits a row of the launch has: its partial slots."""
+    row_splits: int = 0
+    """Canonical: the most splits a row has before its split size doubles (``_row_splits``)."""
 
 
 
@@ -461,18 +465,41 @@ def _new_tile(
 
 
 @triton.jit
-def _attend_split(
-    q, pos, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, split_start, kv_stop, visible, first_new,
-    new_row0, kv_head, dims, dim_ok, qk_scale, kc, vc, nk, nv,
+def _fresh(BLOCK_M: tl.constexpr, DIM: tl.constexpr):
+    """An online-softmax state with no keys: (max -inf, sum 0, acc 0), which ``_merge`` folds
+    as an exact no-op."""
+    return tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32), tl.zeros([BLOCK_M, DIM], tl.float32)
+
+
+@triton.jit
+def _fold_split(m_f, l_f, acc_f, m_i, l_i, acc, tile_end, kv_stop, split_size, BLOCK_M: tl.constexpr, DIM: tl.constexpr):
+    """After a tile ending at ``tile_end``: where it is the last of a split but not of the
+    program, fold the split's state into the program's and start the next split fresh."""
+    if (tile_end % split_size == 0) & (tile_end < kv_stop):
+        m_f, l_f, acc_f = _merge(m_f, l_f, acc_f, m_i, l_i, acc)
+        m_i, l_i, acc = _fresh(BLOCK_M, DIM)
+    return m_f, l_f, acc_f, m_i, l_i, acc
+
+
+@triton.jit
+def _attend_splits(
+    q, pos, valid, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, first, start, kv_stop, split_size,
+    visible, first_new, new_row0, kv_head, dims, dim_ok, qk_scale, kc, vc, nk, nv, partials, part,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM: tl.constexpr,
     DOT_DTYPE: tl.constexpr, FAST_PREFILL: tl.constexpr, MATRIX_SUM: tl.constexpr, STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax of a prompt block over one split's keys ``[split_start, kv_stop)`` from a
-    fresh state, in increasing tile order. Tiles every row of the block sees whole (keys below
-    ``visible``) run unmasked: those before ``first_new`` gathered from the cache, then a tile
-    holding keys of both kinds, then the pass's own keys read straight from ``k``/``v``. The
-    one or two diagonal tiles left load per key and apply the causal mask."""
+    """Online softmax of a prompt block over its program's keys ``[start, kv_stop)``, whole
+    splits of ``split_size`` keys (the last cut at the block's last row), in increasing tile
+    order, one software-pipelined loop per kind of tile. Tiles every row of the block sees
+    whole (keys below ``visible``) run unmasked: those before ``first_new`` gathered from the
+    cache, then a tile holding keys of both kinds, then the pass's own keys read straight from
+    ``k``/``v``; the one or two diagonal tiles left load per key and apply the causal mask.
+    Each split starts from a fresh state; every split but the last is folded into the pass's
+    own at its last tile (``_fold_split``), so the loads run on across split boundaries instead
+    of draining at each, and the last is finished after the loops (``_finish_split``: folded
+    where the program holds split 0, else left for the combine, which folds in the same
+    order). So a pass holding several splits must be split 0's program's. Returns the fold."""
     # The loop over the pass's own keys runs one stage fewer than the launch: the cache
     # loop's loads wait on its block-table loads, so both then hold as many buffers, and the
     # canonical program fits sm_90's 227 KB of shared memory (bf16: 169 KB, 233 KB at the
@@ -480,12 +507,11 @@ def _attend_split(
     # multiprocessor with its registers alone, so its loop keeps the launch's depth. The
     # diagonal tiles are not pipelined, which keeps their registers down.
     new_stages: tl.constexpr = STAGES if FAST_PREFILL else (STAGES - 1 if STAGES > 1 else 1)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DIM], tl.float32)
-    masked_start = tl.maximum(tl.minimum(kv_stop, visible // TILE * TILE), split_start)
-    cache_end = tl.minimum(tl.maximum(first_new // TILE * TILE, split_start), masked_start)
-    for tile_start in range(split_start, cache_end, TILE):
+    m_f, l_f, acc_f = _fresh(BLOCK_M, DIM)
+    m_i, l_i, acc = _fresh(BLOCK_M, DIM)
+    masked_start = tl.maximum(tl.minimum(kv_stop, visible // TILE * TILE), start)
+    cache_end = tl.minimum(tl.maximum(first_new // TILE * TILE, start), masked_start)
+    for tile_start in range(start, cache_end, TILE):
         keys = tile_start + tl.arange(0, TILE)
         k_at, v_at = _cache_addresses(table, k_cache_ptr, v_cache_ptr, keys, None, kv_head, dims, kc, vc, BLOCK_SIZE)
         k = tl.load(k_at, mask=dim_ok[:, None], other=0.0)
@@ -493,6 +519,10 @@ def _attend_split(
         m_i, l_i, acc = _softmax_step(
             q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
         )
+        if not FAST_PREFILL:
+            m_f, l_f, acc_f, m_i, l_i, acc = _fold_split(
+                m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, BLOCK_M, DIM
+            )
     if k_ptr is not None:
         new_start = tl.minimum(tl.maximum(tl.cdiv(first_new, TILE) * TILE, cache_end), masked_start)
         for tile_start in tl.range(cache_end, new_start, TILE, num_stages=1):
@@ -504,6 +534,10 @@ def _attend_split(
             m_i, l_i, acc = _softmax_step(
                 q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
             )
+            if not FAST_PREFILL:
+                m_f, l_f, acc_f, m_i, l_i, acc = _fold_split(
+                    m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, BLOCK_M, DIM
+                )
         for tile_start in tl.range(new_start, masked_start, TILE, num_stages=new_stages):
             keys = tile_start + tl.arange(0, TILE)
             k, v = _new_tile(
@@ -513,6 +547,10 @@ def _attend_split(
             m_i, l_i, acc = _softmax_step(
                 q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
             )
+            if not FAST_PREFILL:
+                m_f, l_f, acc_f, m_i, l_i, acc = _fold_split(
+                    m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, BLOCK_M, DIM
+                )
     for tile_start in tl.range(masked_start, kv_stop, TILE, num_stages=1):
         keys = tile_start + tl.arange(0, TILE)
         k, v = _mixed_tile(
@@ -522,7 +560,14 @@ def _attend_split(
         m_i, l_i, acc = _softmax_step(
             q, k, v, keys, pos, m_i, l_i, acc, qk_scale, True, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
         )
-    return m_i, l_i, acc
+        if not FAST_PREFILL:
+            m_f, l_f, acc_f, m_i, l_i, acc = _fold_split(
+                m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, BLOCK_M, DIM
+            )
+    return _finish_split(
+        m_f, l_f, acc_f, m_i, l_i, acc, first, (kv_stop - 1) // split_size, split_size, valid, pos, partials, part,
+        dims, dim_ok, DIM,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -538,9 +583,7 @@ def _decode_splits(
     the bits of one loop a split; but the loads run ahead across split boundaries instead of
     draining the pipeline at each one, which made short splits dear to a full batch, whose
     programs fold all of a row's splits. Returns the program's fold (split 0's program)."""
-    m_f = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_f = tl.zeros([BLOCK_M], tl.float32)
-    acc_f = tl.zeros([BLOCK_M, DIM], tl.float32)
+    m_f, l_f, acc_f = _fresh(BLOCK_M, DIM)
     m_i, l_i, acc = m_f, l_f, acc_f
     end = tl.minimum(stop * split_size, last_pos + 1)
     for tile_start in tl.range(first * split_size, end, TILE, num_stages=STAGES):
@@ -557,9 +600,7 @@ def _decode_splits(
                 m_f, l_f, acc_f, m_i, l_i, acc, first, tile_start // split_size, split_size, valid, pos, partials,
                 part, dims, dim_ok, DIM,
             )  # fmt: skip
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, DIM], tl.float32)
+            m_i, l_i, acc = _fresh(BLOCK_M, DIM)
     return m_f, l_f, acc_f
 
 
@@ -702,31 +743,29 @@ def _attention_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     partials = (part_acc_ptr, part_max_ptr, part_sum_ptr)
     part = (token * tl.num_programs(1) * GROUP + head) * num_slots
+    end = tl.minimum(stop * split_size, last_pos + 1)
     if FAST_PREFILL:
-        m_f, l_f, acc_f = _attend_split(
-            q, pos, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, first * split_size,
-            tl.minimum(first * split_size + split_size, last_pos + 1), visible, first_new, q_start, kv_head, dims,
-            dim_ok, qk_scale, kc, vc, nk, nv, BLOCK_SIZE, BLOCK_M, TILE, HEAD_DIM, DIM, DOT_DTYPE, True, False,
-            STAGES, INTERPRET,
+        m_f, l_f, acc_f = _attend_splits(
+            q, pos, valid, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, first, first * split_size,
+            end, split_size, visible, first_new, q_start, kv_head, dims, dim_ok, qk_scale, kc, vc, nk, nv, partials,
+            part, BLOCK_SIZE, BLOCK_M, TILE, HEAD_DIM, DIM, DOT_DTYPE, True, False, STAGES, INTERPRET,
         )  # fmt: skip
-        if first > 0:
-            reach = valid & (pos >= first * split_size)
-            _store_partial(partials, part + first, reach, m_f, l_f, acc_f, dims, dim_ok, DIM)
     elif PROMPT:
-        m_f = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_f = tl.zeros([BLOCK_M], tl.float32)
-        acc_f = tl.zeros([BLOCK_M, DIM], tl.float32)
-        for split in range(first, stop):
-            split_start = split * split_size
-            kv_stop = tl.minimum(split_start + split_size, last_pos + 1)
-            m_i, l_i, acc = _attend_split(
-                q, pos, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, split_start, kv_stop,
-                visible, first_new, q_start, kv_head, dims, dim_ok, qk_scale, kc, vc, nk, nv, BLOCK_SIZE,
-                BLOCK_M, TILE, HEAD_DIM, DIM, DOT_DTYPE, False, MATRIX_SUM, STAGES, INTERPRET,
+        # Split 0's program walks all its splits in one pass, folding as it goes; any other
+        # walks one split a pass and leaves each state for the combine after its tile loops (a
+        # store inside a pipelined tile loop converts the accumulator's layout through a 64 KB
+        # buffer beside the loop's K/V buffers, past sm_90's shared memory). A fast program
+        # holds one split, and runs no such loop around its tile loops (ptxas: 148 bytes of
+        # spills a thread with it, 16 without).
+        m_f, l_f, acc_f = _fresh(BLOCK_M, DIM)
+        span = tl.where(first == 0, end, split_size)
+        for start in range(first * split_size, end, span):
+            m_f, l_f, acc_f = _attend_splits(
+                q, pos, valid, table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, k_desc, v_desc, first, start,
+                tl.minimum(start + span, end), split_size, visible, first_new, q_start, kv_head, dims, dim_ok, qk_scale,
+                kc, vc, nk, nv, partials, part, BLOCK_SIZE, BLOCK_M, TILE, HEAD_DIM, DIM, DOT_DTYPE, False,
+                MATRIX_SUM, STAGES, INTERPRET,
             )  # fmt: skip
-            m_f, l_f, acc_f = _finish_split(
-                m_f, l_f, acc_f, m_i, l_i, acc, first, split, split_size, valid, pos, partials, part, dims, dim_ok, DIM
-            )
     else:
         m_f, l_f, acc_f = _decode_splits(
             q, pos, valid, table, k_cache_ptr, v_cache_ptr, first, stop, split_size, last_pos, kv_head, dims, dim_ok,
@@ -949,8 +988,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _target_programs(device: torch.device) -> int:
-    return _PROGRAMS_PER_SM * _num_sms(device)
+def _target_programs(device: torch.device, prompt: bool = False) -> int:
+    """Programs split-KV spreads a launch to. A canonical prompt program fills a multiprocessor
+    alone (255 registers x 256 threads, 169 KB of shared memory), so its launch spreads only
+    below one program a multiprocessor."""
+    return (1 if prompt else _PROGRAMS_PER_SM) * _num_sms(device)
 
 
 def _query_blocks(num_tokens: int, num_seqs: int, max_query_len: int, block_q: int) -> int:
@@ -967,10 +1009,11 @@ def _canonical_schedule(
     prompt = max_query_len > 1
     block_m = max(cfg["prefill_block_m"] if prompt else cfg["block_m"], triton.next_power_of_2(group))
     programs = _query_blocks(num_tokens, num_seqs, max_query_len, block_m // group) * num_kv_heads
-    splits = _canonical_row_splits(max_seq_len, _row_splits(group))
+    row_splits = _row_splits(group)
+    splits = _canonical_row_splits(max_seq_len, row_splits)
     # At least the target's programs: rounding the group up left a lone row of a graph sized
     # for 40,960 keys half of them (80 splits over 66 programs: 2 a program, 40 programs).
-    spread = max(1, _target_programs(device) // programs)
+    spread = max(1, _target_programs(device, prompt) // programs)
     min_keys = _min_keys(not prompt, programs, device)
     return _Schedule(
         block_m=block_m,
@@ -982,6 +1025,7 @@ def _canonical_schedule(
         prompt=prompt,
         min_keys=min_keys,
         max_splits=splits,
+        row_splits=row_splits,
     )
 
 
@@ -1084,8 +1128,8 @@ def paged_attention(
         part_acc = part_max = part_sum = _unused_partials(q.device)
     args = (
         q, k_cache, v_cache, k, v, out, part_acc, part_max, part_sum, block_tables, seq_lens, query_start_loc, flags,
-        programs[fast] if fast is not None else 1, CANONICAL_CONFIG["kv_split"], _row_splits(group),
-        programs[canon] if canon is not None else 1, slots, scale, block_size, group, head_dim,
+        programs[fast] if fast is not None else 1, CANONICAL_CONFIG["kv_split"],
+        canon.row_splits if canon is not None else 0, programs[canon] if canon is not None else 1, slots, scale, block_size, group, head_dim,
     )
 
     def launch(sched: _Schedule, serve: int, n: int) -> None:
