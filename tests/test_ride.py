@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,11 +23,13 @@ import torch
 
 from sid import LLM, SamplingParams
 from sid.engine import engine as engine_module
+from sid.engine import selftest
 from sid.engine.plan import PassSizes, ScheduledChunk
 from sid.engine.selftest import DeterminismSelfTestError, synthetic_request
 from sid.model.builtin import write_checkpoint
 from sid.repro import Repro, summarize
 from sid.runtime import gemm
+from sid.runtime.attention import TorchAttentionBackend
 from sid.runtime.faults import FAULTS, batch_noise
 from sid.runtime.gemm import GemmPath, Gemms, candidates, prove, prove_columns, prove_plan, run
 from tests.test_determinism import CROWD, PROMPT, crowd_params, det, fresh_process_output
@@ -287,6 +290,24 @@ def test_riding_rows_that_see_their_company_make_the_self_test_refuse(
 def test_a_self_test_with_no_room_names_the_settings(trained_model: Path) -> None:
     with pytest.raises(DeterminismSelfTestError, match=r"max_model_len=2 .*\(num_kv_blocks"):
         LLM(str(trained_model), num_kv_blocks=64, max_model_len=2, **BF16)
+
+
+def test_the_self_test_probe_crosses_the_backend_split_boundaries(
+    trained_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend whose canonical schedule splits a row's keys (Triton's: 256 keys) asks for
+    a probe long enough to cross a split; the self-test runs it, and passes."""
+    lengths: list[int] = []
+    init = selftest.SelfTest.__init__
+
+    def record(test: selftest.SelfTest, *args: Any) -> None:
+        init(test, *args)
+        lengths.append(test.n)
+
+    monkeypatch.setattr(selftest.SelfTest, "__init__", record)
+    monkeypatch.setattr(TorchAttentionBackend, "probe_keys", property(lambda backend: 150))
+    LLM(str(trained_model), num_kv_blocks=64, **BF16)
+    assert lengths == [150]  # 101 tokens otherwise
 
 
 @pytest.mark.parametrize(

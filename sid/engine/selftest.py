@@ -11,7 +11,9 @@ deterministic request among normal ones, which attend with the fast schedule, in
 several sizes (the GEMMs were proven at every size already, ``sid.runtime.gemm``). Where
 they take the windowed canonical lane, the passes are canonical ones, at every ``PassSizes``
 size the KV pool can fill: a size above ``M_canon`` that changes bits is dropped instead
-(a warning says which), as is one the pool cannot fill.
+(a warning says which), as is one the pool cannot fill. The probe is long enough for its
+rows to cross the attention backend's canonical split boundaries (``probe_keys``), where
+the model's length limit and the pool allow.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class SelfTest:
         gen = torch.Generator().manual_seed(0)
         filler = torch.randint(0, runner.vocab_size, (self.filler_rows,), generator=gen).tolist()
         self.fillers = [filler[i : i + max_model_len - 1] for i in range(0, self.filler_rows, max_model_len - 1)]
-        probe = 2 * max(self.m, 32) + 37
+        probe = max(2 * max(self.m, 32) + 37, runner.kv_cache.backend.probe_keys)
         self.n = min(probe, max_model_len - 1, capacity - sum(cdiv(len(f), bs) * bs for f in self.fillers))
         if self.n < 2:
             raise DeterminismSelfTestError(

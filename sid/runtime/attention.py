@@ -53,6 +53,12 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     name: str
 
+    @property
+    def probe_keys(self) -> int:
+        """Keys the start-up self-test's probe holds at least, so that its rows cross every
+        boundary of the canonical schedule (none beyond its tiles here)."""
+        return 0
+
     @abstractmethod
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor

@@ -12,6 +12,13 @@ from sid.runtime.attention import AttentionBackend, AttentionMetadata
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
+    @property
+    def probe_keys(self) -> int:
+        """Rows in two canonical splits, the second ending mid-tile: the fold of a row's
+        splits and the combine run in the self-test's passes (a 101-token probe stayed in
+        one split)."""
+        return int(CANONICAL_CONFIG["kv_split"]) + int(CANONICAL_CONFIG["kv_tile"]) // 2
+
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
     ) -> None:
