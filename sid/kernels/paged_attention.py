@@ -468,16 +468,22 @@ def _new_tile(
 def _fresh(BLOCK_M: tl.constexpr, DIM: tl.constexpr):
     """An online-softmax state with no keys: (max -inf, sum 0, acc 0), which ``_merge`` folds
     as an exact no-op."""
-    return tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32), tl.zeros([BLOCK_M, DIM], tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    return m, tl.zeros([BLOCK_M], tl.float32), tl.zeros([BLOCK_M, DIM], tl.float32)
 
 
 @triton.jit
-def _fold_split(m_f, l_f, acc_f, m_i, l_i, acc, tile_end, kv_stop, split_size, BLOCK_M: tl.constexpr, DIM: tl.constexpr):
+def _fold_split(
+    m_f, l_f, acc_f, m_i, l_i, acc, tile_end, kv_stop, split_size,
+    FOLD: tl.constexpr, BLOCK_M: tl.constexpr, DIM: tl.constexpr,
+):  # fmt: skip
     """After a tile ending at ``tile_end``: where it is the last of a split but not of the
-    program, fold the split's state into the program's and start the next split fresh."""
-    if (tile_end % split_size == 0) & (tile_end < kv_stop):
-        m_f, l_f, acc_f = _merge(m_f, l_f, acc_f, m_i, l_i, acc)
-        m_i, l_i, acc = _fresh(BLOCK_M, DIM)
+    program, fold the split's state into the program's and start the next split fresh.
+    ``FOLD`` False (a fast program, one split): nothing to do."""
+    if FOLD:
+        if (tile_end % split_size == 0) & (tile_end < kv_stop):
+            m_f, l_f, acc_f = _merge(m_f, l_f, acc_f, m_i, l_i, acc)
+            m_i, l_i, acc = _fresh(BLOCK_M, DIM)
     return m_f, l_f, acc_f, m_i, l_i, acc
 
 
@@ -519,10 +525,9 @@ def _attend_splits(
         m_i, l_i, acc = _softmax_step(
             q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
         )
-        if not FAST_PREFILL:
-            m_f, l_f, acc_f, m_i, l_i, acc = _fold_split(
-                m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, BLOCK_M, DIM
-            )
+        m_f, l_f, acc_f, m_i, l_i, acc = _fold_split(
+            m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, not FAST_PREFILL, BLOCK_M, DIM
+        )
     if k_ptr is not None:
         new_start = tl.minimum(tl.maximum(tl.cdiv(first_new, TILE) * TILE, cache_end), masked_start)
         for tile_start in tl.range(cache_end, new_start, TILE, num_stages=1):
@@ -534,10 +539,9 @@ def _attend_splits(
             m_i, l_i, acc = _softmax_step(
                 q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
             )
-            if not FAST_PREFILL:
-                m_f, l_f, acc_f, m_i, l_i, acc = _fold_split(
-                    m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, BLOCK_M, DIM
-                )
+            m_f, l_f, acc_f, m_i, l_i, acc = _fold_split(
+                m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, not FAST_PREFILL, BLOCK_M, DIM
+            )
         for tile_start in tl.range(new_start, masked_start, TILE, num_stages=new_stages):
             keys = tile_start + tl.arange(0, TILE)
             k, v = _new_tile(
@@ -547,10 +551,9 @@ def _attend_splits(
             m_i, l_i, acc = _softmax_step(
                 q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
             )
-            if not FAST_PREFILL:
-                m_f, l_f, acc_f, m_i, l_i, acc = _fold_split(
-                    m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, BLOCK_M, DIM
-                )
+            m_f, l_f, acc_f, m_i, l_i, acc = _fold_split(
+                m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, not FAST_PREFILL, BLOCK_M, DIM
+            )
     for tile_start in tl.range(masked_start, kv_stop, TILE, num_stages=1):
         keys = tile_start + tl.arange(0, TILE)
         k, v = _mixed_tile(
@@ -560,10 +563,9 @@ def _attend_splits(
         m_i, l_i, acc = _softmax_step(
             q, k, v, keys, pos, m_i, l_i, acc, qk_scale, True, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
         )
-        if not FAST_PREFILL:
-            m_f, l_f, acc_f, m_i, l_i, acc = _fold_split(
-                m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, BLOCK_M, DIM
-            )
+        m_f, l_f, acc_f, m_i, l_i, acc = _fold_split(
+            m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, not FAST_PREFILL, BLOCK_M, DIM
+        )
     return _finish_split(
         m_f, l_f, acc_f, m_i, l_i, acc, first, (kv_stop - 1) // split_size, split_size, valid, pos, partials, part,
         dims, dim_ok, DIM,
@@ -1129,7 +1131,8 @@ def paged_attention(
     args = (
         q, k_cache, v_cache, k, v, out, part_acc, part_max, part_sum, block_tables, seq_lens, query_start_loc, flags,
         programs[fast] if fast is not None else 1, CANONICAL_CONFIG["kv_split"],
-        canon.row_splits if canon is not None else 0, programs[canon] if canon is not None else 1, slots, scale, block_size, group, head_dim,
+        canon.row_splits if canon is not None else 0, programs[canon] if canon is not None else 1, slots, scale,
+        block_size, group, head_dim,
     )
 
     def launch(sched: _Schedule, serve: int, n: int) -> None:
