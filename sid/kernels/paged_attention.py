@@ -574,20 +574,20 @@ def _attend_splits(
 
 @triton.jit
 def _decode_splits(
-    q, pos, valid, table, k_cache_ptr, v_cache_ptr, first, stop, split_size, last_pos, kv_head, dims, dim_ok,
-    qk_scale, kc, vc, partials, part,
+    q, pos, valid, table, k_cache_ptr, v_cache_ptr, first, end, split_size, kv_head, dims, dim_ok, qk_scale, kc, vc,
+    partials, part,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, DIM: tl.constexpr, DOT_DTYPE: tl.constexpr,
     MATRIX_SUM: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """A decode program's splits ``[first, stop)`` in one software-pipelined loop over their
-    tiles (masked: a decode row's keys end inside its last tile). Each split's state still
+    """A decode program's splits from ``first`` on, keys up to ``end`` (the kernel's), in one
+    software-pipelined loop over their tiles (masked: a decode row's keys end inside its last
+    tile). Each split's state still
     starts fresh and is finished at the split's last tile (``_finish_split``), so a row gets
     the bits of one loop a split; but the loads run ahead across split boundaries instead of
     draining the pipeline at each one, which made short splits dear to a full batch, whose
     programs fold all of a row's splits. Returns the program's fold (split 0's program)."""
     m_f, l_f, acc_f = _fresh(BLOCK_M, DIM)
     m_i, l_i, acc = m_f, l_f, acc_f
-    end = tl.minimum(stop * split_size, last_pos + 1)
     for tile_start in tl.range(first * split_size, end, TILE, num_stages=STAGES):
         keys = tile_start + tl.arange(0, TILE)
         k, v = _mixed_tile(
@@ -770,8 +770,8 @@ def _attention_kernel(
             )  # fmt: skip
     else:
         m_f, l_f, acc_f = _decode_splits(
-            q, pos, valid, table, k_cache_ptr, v_cache_ptr, first, stop, split_size, last_pos, kv_head, dims, dim_ok,
-            qk_scale, kc, vc, partials, part, BLOCK_SIZE, BLOCK_M, TILE, DIM, DOT_DTYPE, MATRIX_SUM, STAGES, INTERPRET,
+            q, pos, valid, table, k_cache_ptr, v_cache_ptr, first, end, split_size, kv_head, dims, dim_ok, qk_scale,
+            kc, vc, partials, part, BLOCK_SIZE, BLOCK_M, TILE, DIM, DOT_DTYPE, MATRIX_SUM, STAGES, INTERPRET,
         )  # fmt: skip
     if first == 0:
         complete = pos // split_size < stop
