@@ -535,6 +535,54 @@ def test_sequences_take_their_own_schedule_in_one_batch(
     _close(mixed, paged_attention_ref(*batch.args(pool), 0.125), torch.bfloat16)
 
 
+@pytest.mark.parametrize("schedule", ["fast", "canonical", "mixed"])
+def test_leading_one_row_sequences_beside_prompt_rows_get_a_decode_launch(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Told that a step's first sequences have one row (``num_decodes``), a step with prompt
+    rows gives them a decode-shaped launch (from ``_DECODE_LAUNCH_FROM`` of them on), and its
+    prompt launch covers the rest: each launch writes its own rows only; canonical rows keep
+    the bits they get in one prompt launch, fast rows the values."""
+    monkeypatch.setattr(attention, "_DECODE_LAUNCH_FROM", 2)
+    pool = Pool(260, 2, 64, torch.bfloat16, seed=29)
+    decodes, prompts = [(SPLIT + 60, 1), (1, 1)], [(37, 37), (50, 0), (SPLIT + 4, 12), (130, 5)]
+    shapes = decodes + prompts
+    batch = mixed_batch(pool, 4, shapes)
+    batch.q = batch.q.to(torch.bfloat16)
+    flags = torch.tensor([1, 0, 1, 0, 0, 1], dtype=torch.int32, device=DEVICE)
+    canonical = {"fast": False, "canonical": True, "mixed": flags}[schedule]
+    kw = dict(max_query_len=37, max_seq_len=SPLIT + 60, **batch.new_kv(pool, "fused"))
+    decode_rows = torch.arange(len(batch.q), device=DEVICE) < len(decodes)
+    kinds: list[tuple[int, bool]] = []
+    launch = attention._launch
+
+    def only(prompt: bool | None):  # run only the prompt launches, only the decode one, or all
+        def run(*a):
+            kinds.append((a[1].seq_lens.shape[0], a[-3].prompt))
+            return launch(*a) if prompt in (None, a[-3].prompt) else None
+
+        return run
+
+    for prompt in (True, False, None):
+        kinds.clear()
+        monkeypatch.setattr(attention, "_launch", only(prompt))
+        out = torch.full_like(batch.q, float("nan"))
+        attention.paged_attention(*batch.args(pool), 0.125, canonical=canonical, out=out, num_decodes=2, **kw)
+        written = ~out.isnan().any(dim=(1, 2))
+        expected = torch.ones_like(decode_rows) if prompt is None else decode_rows != prompt
+        assert torch.equal(written, expected), f"rows written by {prompt} launches"
+    assert sorted(kinds) == [(len(decodes), False)] + [(len(prompts), True)] * (1 if schedule != "mixed" else 2)
+    kinds.clear()
+    one = attention.paged_attention(*batch.args(pool), 0.125, canonical=canonical, num_decodes=1, **kw)
+    assert {k for k, _ in kinds} == {len(shapes)}, "one decode is left in the prompt launch"
+    starts = batch.query_start_loc.tolist()
+    for s in range(len(shapes)):
+        rows = slice(starts[s], starts[s + 1])
+        if schedule == "canonical" or schedule == "mixed" and flags[s]:
+            assert torch.equal(out[rows], one[rows]), f"sequence {s}"
+    _close(out, paged_attention_ref(*batch.args(pool), 0.125), torch.bfloat16)
+
+
 def test_canonical_bits_do_not_depend_on_how_splits_are_spread(monkeypatch: pytest.MonkeyPatch) -> None:
     """A program folds one split (a thin batch: the combine kernel folds the rest, its head
     dimensions spread over several programs or not) or every split of its rows (a full batch):

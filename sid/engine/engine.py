@@ -354,7 +354,9 @@ class LLMEngine:
         feed = previous.feed() if previous is not None else None
         passes = [(chunks, True) for chunks in plan.canonical] + ([(plan.fast, False)] if plan.fast else [])
         for planned, canonical in passes:
-            chunks = [c for c in planned if self._still_valid(c, canonical)]
+            # One-row chunks (decodes) first: attention gives a pass's leading one-row sequences
+            # a decode launch of their own beside its prompt rows (``paged_attention``).
+            chunks = sorted((c for c in planned if self._still_valid(c, canonical)), key=lambda c: c.num_tokens != 1)
             if not chunks:
                 continue
             table = self.kv.block_table([c.request for c in chunks])

@@ -175,6 +175,13 @@ _PROGRAMS_PER_SM = 4
 """Split-KV spreads a batch until about this many programs per multiprocessor."""
 _NOMINAL_SMS = 8
 """Stand-in multiprocessor count off CUDA (the interpreter), so CPU runs exercise split-KV."""
+_DECODE_LAUNCH_FROM = 16
+"""One-row sequences beside prompt rows get a decode launch of their own from this many on
+(``paged_attention``'s ``num_decodes``). Below it the second launch's host time outweighs
+what it saves the GPU (H200, Qwen3-0.6B heads, a layer in a 16-call graph: 1 x 500 prompt
+rows beside 4 decodes of 700 keys 34.1 us in one launch and 32.7 in two, beside 8 of 300 keys
+18.1 and 22.0, beside 16 of 700 keys 67.3 and 42.5; the second launch adds 50-100 us of host
+time, which a small model's eager prompt step pays in full)."""
 _SERVE_FAST, _SERVE_CANONICAL = 1, 2
 """Bits of a launch's ``serve``: which sequences' schedule it runs."""
 _SERVE_BOTH = _SERVE_FAST | _SERVE_CANONICAL
@@ -227,10 +234,11 @@ class _Schedule(NamedTuple):
 
 
 @triton.jit
-def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
-    """Sequence owning ``q_block``: the last s with ``query_start_loc[s] // BLOCK_Q + 2 * s <= q_block``.
+def _find_seq(query_start_loc_ptr, row0, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """Sequence owning ``q_block``: the last s with ``r(s) // BLOCK_Q + 2 * s <= q_block``, where
+    ``r(s) = query_start_loc[s] - row0`` counts rows from the launch's first.
 
-    Sequence s owns blocks ``[qsl[s] // BLOCK_Q + 2s, qsl[s + 1] // BLOCK_Q + 2s + 2)``: at least
+    Sequence s owns blocks ``[r(s) // BLOCK_Q + 2s, r(s + 1) // BLOCK_Q + 2s + 2)``: at least
     ``q_len // BLOCK_Q + 2``, enough for its rows in position-aligned blocks. So a grid of
     ``N // BLOCK_Q + 2S`` blocks covers every row without reading lengths on the host; surplus
     blocks exit at once.
@@ -239,7 +247,7 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + 2 * mid <= q_block:
+        if (tl.load(query_start_loc_ptr + mid) - row0) // BLOCK_Q + 2 * mid <= q_block:
             lo = mid + 1
         else:
             hi = mid
@@ -264,14 +272,17 @@ def _block_rows(
     the tile, whatever the batch (matrix units need not treat every row alike). Rows that are
     not this step's queries are padding: they repeat a valid row and are never stored.
     ``DECODE``: every sequence has one row at most, so block ``s`` is sequence ``s``'s (a grid
-    of one block a sequence; no search). Returns (sequence, done, flat token, head, valid,
-    position, last valid position).
+    of one block a sequence; no search). ``query_start_loc`` may start past row 0 (the later
+    sequences of a step, ``paged_attention``'s ``num_decodes``): blocks count from its first
+    row, tokens are the step's. Returns (sequence, done, flat token, head, valid, position,
+    last valid position).
     """
     q_block = tl.program_id(0)
     if DECODE:
         seq = q_block
     else:
-        seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+        row0 = tl.load(query_start_loc_ptr)
+        seq = _find_seq(query_start_loc_ptr, row0, q_block, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -279,7 +290,7 @@ def _block_rows(
     if DECODE:
         block_start = first_query // BLOCK_Q * BLOCK_Q
     else:
-        block_start = (first_query // BLOCK_Q + q_block - q_start // BLOCK_Q - 2 * seq) * BLOCK_Q
+        block_start = (first_query // BLOCK_Q + q_block - (q_start - row0) // BLOCK_Q - 2 * seq) * BLOCK_Q
     done = (q_len == 0) | (block_start >= seq_len)
     last_pos = tl.minimum(block_start + BLOCK_Q, seq_len) - 1
     m = tl.arange(0, BLOCK_M)
@@ -1078,6 +1089,7 @@ def paged_attention(
     schedules: tuple[bool, bool] | None = None,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    num_decodes: int = 0,
 ) -> torch.Tensor:
     """Causal varlen paged attention of ``q`` ``[N, heads, head_dim]`` over the cache.
 
@@ -1092,9 +1104,17 @@ def paged_attention(
     own keys and values, already stored in the cache: given, a sequence's keys from its first
     query row on are read from them, contiguous, instead of gathered through the block table
     (the same values, so the same result). Decode-only steps ignore them: one key a row.
+
+    ``num_decodes``: the batch's first sequences that have one query row each (the host knows;
+    0: none known). Beside longer queries, and from ``_DECODE_LAUNCH_FROM`` on, they get a
+    decode-shaped launch of their own, and the prompt launch covers the sequences after them:
+    in a 128-row prompt block a decode row took
+    a whole block's work (H200, Qwen3-0.6B heads, 8 prompts of 500 rows beside 200 decodes of
+    700 keys: 481 us a layer fast and 600 canonical in one launch, 248 / 292 in two). A
+    canonical row's bits are the same in both block shapes (``CANONICAL_CONFIG``).
     """
     num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
     if out is None:
@@ -1114,12 +1134,25 @@ def paged_attention(
     else:
         flags = _uniform_flags(q.device, canonical, triton.next_power_of_2(num_seqs))
         any_fast, any_canonical = not canonical, canonical
-    shape = (num_tokens, num_seqs, num_kv_heads, max_query_len, max_seq_len, q.device)
-    fast = _fast_schedule(num_tokens, num_seqs, group, *shape[2:]) if any_fast else None
-    canon = _canonical_schedule(group, *shape) if any_canonical else None
+    # A launch for each kind of sequence: one-row ones (a step's first ``num_decodes``) beside
+    # prompt rows get their own (docstring).
+    kinds = [_Rows(num_tokens, max_query_len, block_tables, seq_lens, query_start_loc, flags, k, v)]
+    if max_query_len > 1 and _DECODE_LAUNCH_FROM <= num_decodes < num_seqs:
+        d = num_decodes
+        kinds = [
+            _Rows(d, 1, block_tables[:d], seq_lens[:d], query_start_loc[: d + 1], flags[:d], None, None),
+            _Rows(num_tokens - d, max_query_len, block_tables[d:], seq_lens[d:], query_start_loc[d:], flags[d:], k, v),
+        ]
+    launches = []
+    for rows in kinds:
+        seqs = rows.seq_lens.shape[0]
+        shape = (num_kv_heads, rows.max_query_len, max_seq_len, q.device)
+        fast = _fast_schedule(rows.num_tokens, seqs, group, *shape) if any_fast else None
+        canon = _canonical_schedule(group, rows.num_tokens, seqs, *shape) if any_canonical else None
+        launches.append((rows, fast, canon))
     # Per schedule: a row's splits at most, and its programs along the keys (more than one
     # leave partials for the combine).
-    programs = {s: _cdiv(s.max_splits, s.group) for s in (fast, canon) if s is not None}
+    programs = {s: _cdiv(s.max_splits, s.group) for _, fast, canon in launches for s in (fast, canon) if s is not None}
     slots = max([s.max_splits for s, p in programs.items() if p > 1] or [1])
     if slots > 1:
         part_acc = torch.empty((num_tokens, num_heads, slots, max(16, triton.next_power_of_2(head_dim))),
@@ -1128,66 +1161,85 @@ def paged_attention(
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = _unused_partials(q.device)
-    args = (
-        q, k_cache, v_cache, k, v, out, part_acc, part_max, part_sum, block_tables, seq_lens, query_start_loc, flags,
-        programs[fast] if fast is not None else 1, CANONICAL_CONFIG["kv_split"],
-        canon.row_splits if canon is not None else 0, programs[canon] if canon is not None else 1, slots, scale,
-        block_size, group, head_dim,
-    )
+    batch = _Batch(q, k_cache, v_cache, out, (part_acc, part_max, part_sum), slots, scale)
+    for rows, fast, canon in launches:
+        splits = (
+            programs[fast] if fast is not None else 1,
+            canon.row_splits if canon is not None else 0,
+            programs[canon] if canon is not None else 1,
+        )
 
-    def launch(sched: _Schedule, serve: int, n: int) -> None:
-        _launch(*args, sched, serve, n)
+        def launch(sched: _Schedule, serve: int, n: int) -> None:
+            _launch(batch, rows, *splits, sched, serve, n)
 
-    if fast is not None and canon is not None and _constants(fast) == _constants(canon):
-        # One launch serves both (module doc): as many programs along the keys as either needs.
-        launch(canon, _SERVE_BOTH, max(programs.values()))
-    elif fast is not None and canon is not None and q.device.type == "cuda":
-        # The canonical launch first, beside the fast one (module doc); the join orders every
-        # later use of ``out`` and of the partials after both.
-        main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            launch(canon, _SERVE_CANONICAL, programs[canon])
-        launch(fast, _SERVE_FAST, programs[fast])
-        main.wait_stream(side)
-    else:
-        for sched, serve in ((fast, _SERVE_FAST), (canon, _SERVE_CANONICAL)):
-            if sched is not None:
-                launch(sched, serve, programs[sched])
+        if fast is not None and canon is not None and _constants(fast) == _constants(canon):
+            # One launch serves both (module doc): as many programs along the keys as either needs.
+            launch(canon, _SERVE_BOTH, max(programs[fast], programs[canon]))
+        elif fast is not None and canon is not None and q.device.type == "cuda":
+            # The canonical launch first, beside the fast one (module doc); the join orders every
+            # later use of ``out`` and of the partials after both.
+            main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                launch(canon, _SERVE_CANONICAL, programs[canon])
+            launch(fast, _SERVE_FAST, programs[fast])
+            main.wait_stream(side)
+        else:
+            for sched, serve in ((fast, _SERVE_FAST), (canon, _SERVE_CANONICAL)):
+                if sched is not None:
+                    launch(sched, serve, programs[sched])
     return out
 
 
+class _Batch(NamedTuple):
+    """What every launch of one ``paged_attention`` call shares."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    out: torch.Tensor
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    """Split states for the combine (accumulators, maxima, sums), indexed by the step's rows."""
+    slots: int
+    scale: float
+
+
+class _Rows(NamedTuple):
+    """The sequences one launch covers: views of the step's metadata from some sequence on
+    (``query_start_loc`` then starts past row 0; rows keep the step's indices)."""
+
+    num_tokens: int
+    max_query_len: int
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    flags: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+
+
 def _launch(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor | None,
-    v: torch.Tensor | None,
-    out: torch.Tensor,
-    part_acc: torch.Tensor,
-    part_max: torch.Tensor,
-    part_sum: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    flags: torch.Tensor,
+    batch: _Batch,
+    rows: _Rows,
     fast_programs: int,
-    canonical_split: int,
     canonical_row_splits: int,
     canonical_programs: int,
-    slots: int,
-    scale: float,
-    block_size: int,
-    group: int,
-    head_dim: int,
     sched: _Schedule,
     serve: int,
     programs: int,
 ) -> None:
-    """One attention launch over the sequences of the schedules in ``serve`` (``programs`` per
-    query block and KV head along the keys), and the combine of their partials. A launch
-    serving both schedules has one batch, so one ``min_keys``."""
-    num_tokens, num_seqs, num_kv_heads = q.shape[0], seq_lens.shape[0], k_cache.shape[2]
+    """One attention launch over the sequences of ``rows`` with the schedules in ``serve``
+    (``programs`` per query block and KV head along the keys), and the combine of their
+    partials. A launch serving both schedules has one batch, so one ``min_keys``."""
+    q, k_cache, v_cache, out, (part_acc, part_max, part_sum) = batch[:5]
+    num_tokens, _, block_tables, seq_lens, query_start_loc, flags, k, v = rows
+    num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    block_size, head_dim, slots = k_cache.shape[1], q.shape[2], batch.slots
+    group = q.shape[1] // num_kv_heads
+    canonical_split = CANONICAL_CONFIG["kv_split"]
+    block_size, head_dim, slots = k_cache.shape[1], q.shape[2], batch.slots
+    group = q.shape[1] // num_kv_heads
+    canonical_split = CANONICAL_CONFIG["kv_split"]
     block_q = sched.block_m // group
     dim = max(16, triton.next_power_of_2(head_dim))
     # A decode launch's sequences have one row each: a block a sequence (``_block_rows``).
@@ -1215,7 +1267,7 @@ def _launch(
         seq_lens,
         query_start_loc,
         flags,
-        scale * 1.4426950408889634,
+        batch.scale * 1.4426950408889634,
         num_seqs,
         serve,
         fast_programs,

@@ -36,6 +36,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int32
     max_query_len: int
     max_seq_len: int
+    num_decodes: int = 0
+    """How many of the first sequences have one query row each (0: none known). Beside prompt
+    rows a backend may give them a decode-shaped launch of their own."""
     canonical: bool | torch.Tensor = False
     """The canonical schedule for every sequence (True), for none (False), or per sequence:
     an int32 ``[S]`` tensor, 1 = canonical (then ``schedules`` says which occur)."""

@@ -488,13 +488,15 @@ class ModelRunner:
             seq_lens, query_start_loc, tables, canonical_seqs = upload(
                 self.device, [step.seq_lens, qsl, step.block_tables, flags or ()], torch.int32
             )
+            q_lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
             self.kv_cache.meta = AttentionMetadata(
                 slot_mapping=slots,
                 block_tables=tables.view(-1, width),
                 seq_lens=seq_lens,
                 query_start_loc=query_start_loc,
-                max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)),
+                max_query_len=max(q_lens),
                 max_seq_len=max(step.seq_lens),
+                num_decodes=next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens)),
                 canonical=step.canonical if flags is None else canonical_seqs,
                 schedules=(True, True) if flags is None else (not all(flags), any(flags)),
             )

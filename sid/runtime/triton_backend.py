@@ -52,6 +52,7 @@ class TritonAttentionBackend(AttentionBackend):
             schedules=meta.schedules,
             k=k,
             v=v,
+            num_decodes=meta.num_decodes,
         )
 
     def canonical_config(self) -> dict[str, object]:
