@@ -4,8 +4,10 @@ Checks the Triton kernels against the torch references at Llama-3.1-8B (32 q hea
 and Qwen3-0.6B (16/8) attention shapes (head_dim 128, bf16, block_size 16), checks that
 canonical rows keep their bits in differently composed batches, then times decode steps
 (batch x context; fast, canonical, and riding: every tenth sequence canonical; each also
-launched for the model's longest, as a CUDA graph of the engine is), prefills and
-a chunk after a cached prefix, for both schedules, with
+launched for the model's longest, as a CUDA graph of the engine is), prefills,
+a chunk after a cached prefix, and prompt steps with decodes beside their prompt rows (the
+decodes in a launch of their own, as the engine runs them, and in the prompt launch), for
+both schedules, with
 ``triton.testing.do_bench`` (median).
 The floor is bytes moved over the HBM bandwidth measured in the same run (a ``sum`` over a
 ~4 GB bf16 tensor); for prefill also FLOPs over the bf16 matmul rate measured likewise.
@@ -67,6 +69,8 @@ class Sizes:
     contexts: list[int]
     prefill: list[tuple[int, int, int]]
     """Prefill timings: (sequences, chunk tokens each, cached prefix tokens before the chunk)."""
+    mixed: list[tuple[int, int, int, int]]
+    """Prompt steps with decodes: (decodes, their context, fresh prompts, prompt tokens each)."""
     graph_limit: int
     """Keys a decode step is also launched for, as the engine's CUDA graphs are (the model's
     longest: Qwen3's 40,960), whatever its sequences hold (``limit_graph_ms``)."""
@@ -81,6 +85,7 @@ FULL = Sizes(
     batches=[1, 8, 64, 256],
     contexts=[512, 8192, 32768],
     prefill=[(8, 2048, 0), (2, 8192, 0), (1, 32768, 0), (1, 2048, 16384)],
+    mixed=[(200, 700, 8, 500), (250, 900, 2, 1800), (32, 700, 1, 128)],
     graph_limit=40960,
     bandwidth_bytes=4 << 30,
     matmul_n=8192,
@@ -92,6 +97,7 @@ SMOKE = Sizes(
     batches=[1, 2],
     contexts=[64, SMOKE_SPLIT + 64],
     prefill=[(2, 32, 0), (1, 16, 48)],
+    mixed=[(16, 20, 1, 24)],
     graph_limit=4 * SMOKE_SPLIT,
     bandwidth_bytes=64 << 20,
     matmul_n=256,
@@ -303,6 +309,8 @@ def time_model(
 
     for seqs, length, prefix in sizes.prefill:
         rows += time_prefill(heads, kv_heads, head_dim, seqs, length, prefix, bandwidth, flops, device, smoke)
+    for case in sizes.mixed:
+        rows += time_mixed(heads, kv_heads, head_dim, *case, bandwidth, flops, device, smoke)
     return rows
 
 
@@ -365,6 +373,64 @@ def time_prefill(
     return rows
 
 
+def time_mixed(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    decodes: int,
+    decode_context: int,
+    prompts: int,
+    length: int,
+    bandwidth: float,
+    flops: float,
+    device: torch.device,
+    smoke: bool,
+) -> list[dict]:
+    """A prompt step as the engine forms one: ``decodes`` one-row sequences first, then
+    ``prompts`` fresh prompts, their K/V already stored. Each schedule (and riding: the first
+    prompt and every tenth decode canonical) with the decodes in a launch of their own
+    (``num_decodes``, as the engine passes it) and in the prompt launch (schedule ``... 1L``)."""
+    elem = torch.finfo(DTYPE).bits // 8
+    seqs, tokens = decodes + prompts, decodes + prompts * length
+    lens = [decode_context] * decodes + [length] * prompts
+    q_lens = [1] * decodes + [length] * prompts
+    per_seq = triton.cdiv(max(lens), BLOCK_SIZE)
+    shape = (seqs * per_seq + 1, BLOCK_SIZE, kv_heads, head_dim)
+    k_cache = torch.randn(shape, dtype=DTYPE, device=device)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(shape[0], device=device)[: seqs * per_seq].view(seqs, per_seq).to(torch.int32)
+    owner = torch.repeat_interleave(torch.arange(seqs, device=device), torch.tensor(q_lens, device=device))
+    pos = torch.cat([torch.full((decodes,), decode_context - 1), *(torch.arange(length) for _ in range(prompts))])
+    pos = pos.to(device)
+    key = torch.randn(tokens, kv_heads, head_dim, dtype=DTYPE, device=device)
+    value = torch.randn_like(key)
+    store_kv(key, value, k_cache, v_cache, table[owner, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE)
+    q = torch.randn(tokens, heads, head_dim, dtype=DTYPE, device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    query_start_loc = torch.tensor([0, *q_lens], device=device).cumsum(0).to(torch.int32)
+    out = torch.empty_like(q)
+    riding = torch.zeros(seqs, dtype=torch.int32, device=device)
+    riding[:decodes:RIDE_EVERY] = 1
+    riding[decodes] = 1
+    flop = 4 * heads * head_dim * (decodes * decode_context + prompts * length * (length + 1) // 2)
+    floor_bytes = (decodes * decode_context + prompts * length) * 2 * kv_heads * head_dim * elem + 2 * q.numel() * elem
+    case = dict(kind="mixed", batch=f"{decodes}+{prompts}", context=f"{decode_context}|{length}",
+                floor_ms=max(floor_bytes / bandwidth, flop / flops) * 1e3)
+    rows = []
+    for schedule, canonical in (("fast", False), ("canonical", True), ("riding", riding)):
+        for own in (True, False):
+            def step() -> None:
+                paged_attention(
+                    q, k_cache, v_cache, table, seq_lens, query_start_loc, head_dim**-0.5, canonical=canonical,
+                    out=out, max_query_len=length, max_seq_len=max(lens), k=key, v=value,
+                    schedules=(True, True) if schedule == "riding" else None, num_decodes=decodes if own else 0,
+                )
+
+            rows.append(dict(case, schedule=schedule if own else f"{schedule} 1L", ms=bench(step, smoke),
+                             graph_ms=bench_graph(step, smoke)))
+    return rows
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -398,7 +464,7 @@ def main() -> None:
 
     print(f"\n{result['device']}: read bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     print(
-        f"{'model':<14}{'kind':<9}{'batch':>6}{'context':>12}{'schedule':>10}{'ms':>9}{'graph ms':>9}"
+        f"{'model':<14}{'kind':<9}{'batch':>6}{'context':>12}{'schedule':>13}{'ms':>9}{'graph ms':>9}"
         f"{'floor ms':>9}{'floor/graph':>12}{'TFLOP/s':>8}{'graph@limit':>12}"
     )
     for name, rows in result["timings"].items():
@@ -406,7 +472,7 @@ def main() -> None:
             ratio = r["floor_ms"] / r["graph_ms"] if r["graph_ms"] else None
             context = f"{r['prefix']}+{r['context']}" if r.get("prefix") else str(r["context"])
             print(
-                f"{name:<14}{r['kind']:<9}{r['batch']:>6}{context:>12}{r['schedule']:>10}{r['ms']:>9.4f}"
+                f"{name:<14}{r['kind']:<9}{r['batch']:>6}{context:>12}{r['schedule']:>13}{r['ms']:>9.4f}"
                 f"{_fmt(r['graph_ms'], '.4f'):>9}{r['floor_ms']:>9.4f}{_fmt(ratio, '.2f'):>12}"
                 f"{_fmt(r.get('tflops'), '.0f'):>8}{_fmt(r.get('limit_graph_ms'), '.4f'):>12}"
             )

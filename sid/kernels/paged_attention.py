@@ -46,7 +46,10 @@ fast rows then take too (they promise no bits). A second launch beside the first
 riding Qwen3-0.6B decode step 0.28-0.34 ms (28 layers; H200, whole-step graphs, batch 16 /
 64 / 256: +14 / +10 / +5 %) even with no canonical row, where the proven GEMMs cost nothing
 (2026-12-02). A mixed batch with prompt rows, whose schedules differ in block shape and
-arithmetic, launches them separately, each skipping the other's sequences. On CUDA the
+arithmetic, launches them separately, each skipping the other's sequences. A step's decodes
+beside prompt rows (its first sequences, ``num_decodes``) get a decode-shaped launch of their
+own, whose one launch serves both schedules, and the prompt launches cover the sequences
+after them: in a 128-row prompt block a decode row costs a block's work. On CUDA the
 canonical launch goes first, on a side stream, and runs beside the fast one: a few canonical
 sequences are a latency-bound tail when a full batch gives each one program for all its
 splits, and after the fast launch that tail added its whole length.
