@@ -16,8 +16,10 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -556,10 +558,11 @@ def test_leading_one_row_sequences_beside_prompt_rows_get_a_decode_launch(
     kinds: list[tuple[int, bool]] = []
     launch = attention._launch
 
-    def only(prompt: bool | None):  # run only the prompt launches, only the decode one, or all
-        def run(*a):
+    def only(prompt: bool | None) -> Callable[..., None]:  # only the prompt launches, only the decode one, or all
+        def run(*a: Any) -> None:
             kinds.append((a[1].seq_lens.shape[0], a[-3].prompt))
-            return launch(*a) if prompt in (None, a[-3].prompt) else None
+            if prompt in (None, a[-3].prompt):
+                launch(*a)
 
         return run
 

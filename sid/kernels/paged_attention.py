@@ -1111,11 +1111,10 @@ def paged_attention(
     ``num_decodes``: the batch's first sequences that have one query row each (the host knows;
     0: none known). Beside longer queries, and from ``_DECODE_LAUNCH_FROM`` on, they get a
     decode-shaped launch of their own, and the prompt launch covers the sequences after them:
-    in a 128-row prompt block a decode row took
-    a whole block's work (H200, Qwen3-0.6B heads, 8 prompts of 500 rows beside 200 decodes of
-    700 keys: 481 us a layer fast and 600 canonical in one launch, 248 / 292 in two). A
-    canonical row's bits are the same in both block shapes (``CANONICAL_CONFIG``).
-    """
+    in a 128-row prompt block a decode row took a whole block's work (H200, Qwen3-0.6B heads,
+    200 decodes of 700 keys beside 8 prompts of 500 rows: 474 us a layer fast and 586
+    canonical in one launch, 278 / 288 in two). A canonical row's bits are the same in both
+    block shapes (``CANONICAL_CONFIG``)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -1237,9 +1236,6 @@ def _launch(
     q, k_cache, v_cache, out, (part_acc, part_max, part_sum) = batch[:5]
     num_tokens, _, block_tables, seq_lens, query_start_loc, flags, k, v = rows
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
-    block_size, head_dim, slots = k_cache.shape[1], q.shape[2], batch.slots
-    group = q.shape[1] // num_kv_heads
-    canonical_split = CANONICAL_CONFIG["kv_split"]
     block_size, head_dim, slots = k_cache.shape[1], q.shape[2], batch.slots
     group = q.shape[1] // num_kv_heads
     canonical_split = CANONICAL_CONFIG["kv_split"]
