@@ -314,6 +314,57 @@ def time_model(
     return rows
 
 
+@dataclass
+class Step:
+    """A step's attention inputs: sequences of ``seq_lens`` keys whose last ``q_lens`` are this
+    step's rows, every other key already cached, in shuffled blocks; the step's own K/V is not
+    stored yet (``store``)."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    slots: torch.Tensor
+
+    @classmethod
+    def random(
+        cls, heads: int, kv_heads: int, head_dim: int, seq_lens: list[int], q_lens: list[int], device: torch.device
+    ) -> Step:
+        seqs, tokens = len(seq_lens), sum(q_lens)
+        per_seq = triton.cdiv(max(seq_lens), BLOCK_SIZE)
+        shape = (seqs * per_seq + 1, BLOCK_SIZE, kv_heads, head_dim)
+        k_cache = torch.randn(shape, dtype=DTYPE, device=device)
+        table = torch.randperm(shape[0], device=device)[: seqs * per_seq].view(seqs, per_seq).to(torch.int32)
+        owner = torch.repeat_interleave(torch.arange(seqs), torch.tensor(q_lens)).to(device)
+        pos = torch.cat([torch.arange(n - q, n) for n, q in zip(seq_lens, q_lens)]).to(device)
+        key = torch.randn(tokens, kv_heads, head_dim, dtype=DTYPE, device=device)
+        return cls(
+            q=torch.randn(tokens, heads, head_dim, dtype=DTYPE, device=device),
+            k_cache=k_cache,
+            v_cache=torch.randn_like(k_cache),
+            table=table,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor([0, *q_lens], device=device).cumsum(0).to(torch.int32),
+            key=key,
+            value=torch.randn_like(key),
+            slots=table[owner, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE,
+        )
+
+    def store(self) -> None:
+        store_kv(self.key, self.value, self.k_cache, self.v_cache, self.slots)
+
+    def attend(self, out: torch.Tensor, canonical: bool | torch.Tensor, **kw: object) -> None:
+        """Both schedules' call as the engine makes it: its own keys from the step's K/V."""
+        paged_attention(
+            self.q, self.k_cache, self.v_cache, self.table, self.seq_lens, self.query_start_loc,
+            self.q.shape[2] ** -0.5, canonical=canonical, out=out, k=self.key, v=self.value, **kw,
+        )  # fmt: skip
+
+
 def time_prefill(
     heads: int,
     kv_heads: int,
@@ -332,36 +383,18 @@ def time_prefill(
     elem = torch.finfo(DTYPE).bits // 8
     context = prefix + length
     tokens, cached = seqs * length, seqs * context
-    shape = (triton.cdiv(cached, BLOCK_SIZE) + seqs, BLOCK_SIZE, kv_heads, head_dim)
-    k_cache = torch.randn(shape, dtype=DTYPE, device=device)
-    v_cache = torch.randn_like(k_cache)
-    per_seq = triton.cdiv(context, BLOCK_SIZE)
-    table = torch.randperm(shape[0], device=device)[: seqs * per_seq].view(seqs, per_seq).to(torch.int32)
-    pos = torch.arange(prefix, context, device=device)
-    slots = (table[:, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE).flatten()
-    key = torch.randn(tokens, kv_heads, head_dim, dtype=DTYPE, device=device)
-    value = torch.randn_like(key)
+    step = Step.random(heads, kv_heads, head_dim, [context] * seqs, [length] * seqs, device)
     case = dict(kind="prefill", batch=seqs, context=length, prefix=prefix)
-
-    def store() -> None:
-        store_kv(key, value, k_cache, v_cache, slots)
-
     rows = [
-        dict(case, kind="store_kv", schedule="-", ms=bench(store, smoke), graph_ms=bench_graph(store, smoke),
-             floor_ms=4 * key.numel() * elem / bandwidth * 1e3)
+        dict(case, kind="store_kv", schedule="-", ms=bench(step.store, smoke), graph_ms=bench_graph(step.store, smoke),
+             floor_ms=4 * step.key.numel() * elem / bandwidth * 1e3)
     ]
-    q = torch.randn(tokens, heads, head_dim, dtype=DTYPE, device=device)
-    seq_lens = torch.full((seqs,), context, dtype=torch.int32, device=device)
-    query_start_loc = torch.arange(seqs + 1, dtype=torch.int32, device=device) * length
-    out = torch.empty_like(q)
+    out = torch.empty_like(step.q)
     flop = 4 * heads * head_dim * seqs * (length * prefix + length * (length + 1) // 2)
-    floor_bytes = cached * 2 * kv_heads * head_dim * elem + 2 * q.numel() * elem
+    floor_bytes = cached * 2 * kv_heads * head_dim * elem + 2 * step.q.numel() * elem
     for canonical in (False, True):
         def prefill() -> None:
-            paged_attention(
-                q, k_cache, v_cache, table, seq_lens, query_start_loc, head_dim**-0.5,
-                canonical=canonical, out=out, max_query_len=length, max_seq_len=context, k=key, v=value,
-            )
+            step.attend(out, canonical, max_query_len=length, max_seq_len=context)
 
         ms = bench(prefill, smoke)
         graph_ms = bench_graph(prefill, smoke)
@@ -391,43 +424,27 @@ def time_mixed(
     prompt and every tenth decode canonical) with the decodes in a launch of their own
     (``num_decodes``, as the engine passes it) and in the prompt launch (schedule ``... 1L``)."""
     elem = torch.finfo(DTYPE).bits // 8
-    seqs, tokens = decodes + prompts, decodes + prompts * length
+    seqs = decodes + prompts
     lens = [decode_context] * decodes + [length] * prompts
-    q_lens = [1] * decodes + [length] * prompts
-    per_seq = triton.cdiv(max(lens), BLOCK_SIZE)
-    shape = (seqs * per_seq + 1, BLOCK_SIZE, kv_heads, head_dim)
-    k_cache = torch.randn(shape, dtype=DTYPE, device=device)
-    v_cache = torch.randn_like(k_cache)
-    table = torch.randperm(shape[0], device=device)[: seqs * per_seq].view(seqs, per_seq).to(torch.int32)
-    owner = torch.repeat_interleave(torch.arange(seqs, device=device), torch.tensor(q_lens, device=device))
-    pos = torch.cat([torch.full((decodes,), decode_context - 1), *(torch.arange(length) for _ in range(prompts))])
-    pos = pos.to(device)
-    key = torch.randn(tokens, kv_heads, head_dim, dtype=DTYPE, device=device)
-    value = torch.randn_like(key)
-    store_kv(key, value, k_cache, v_cache, table[owner, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE)
-    q = torch.randn(tokens, heads, head_dim, dtype=DTYPE, device=device)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    query_start_loc = torch.tensor([0, *q_lens], device=device).cumsum(0).to(torch.int32)
-    out = torch.empty_like(q)
+    step = Step.random(heads, kv_heads, head_dim, lens, [1] * decodes + [length] * prompts, device)
+    step.store()
+    out = torch.empty_like(step.q)
     riding = torch.zeros(seqs, dtype=torch.int32, device=device)
     riding[:decodes:RIDE_EVERY] = 1
     riding[decodes] = 1
     flop = 4 * heads * head_dim * (decodes * decode_context + prompts * length * (length + 1) // 2)
-    floor_bytes = (decodes * decode_context + prompts * length) * 2 * kv_heads * head_dim * elem + 2 * q.numel() * elem
+    floor_bytes = sum(lens) * 2 * kv_heads * head_dim * elem + 2 * step.q.numel() * elem
     case = dict(kind="mixed", batch=f"{decodes}+{prompts}", context=f"{decode_context}|{length}",
                 floor_ms=max(floor_bytes / bandwidth, flop / flops) * 1e3)
     rows = []
     for schedule, canonical in (("fast", False), ("canonical", True), ("riding", riding)):
         for own in (True, False):
-            def step() -> None:
-                paged_attention(
-                    q, k_cache, v_cache, table, seq_lens, query_start_loc, head_dim**-0.5, canonical=canonical,
-                    out=out, max_query_len=length, max_seq_len=max(lens), k=key, v=value,
-                    schedules=(True, True) if schedule == "riding" else None, num_decodes=decodes if own else 0,
-                )
+            def attend() -> None:
+                step.attend(out, canonical, max_query_len=length, max_seq_len=max(lens),
+                            schedules=(True, True) if schedule == "riding" else None, num_decodes=decodes if own else 0)
 
-            rows.append(dict(case, schedule=schedule if own else f"{schedule} 1L", ms=bench(step, smoke),
-                             graph_ms=bench_graph(step, smoke)))
+            rows.append(dict(case, schedule=schedule if own else f"{schedule} 1L", ms=bench(attend, smoke),
+                             graph_ms=bench_graph(attend, smoke)))
     return rows
 
 
