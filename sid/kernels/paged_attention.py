@@ -279,8 +279,12 @@ def _block_rows(
     sequences of a step, ``paged_attention``'s ``num_decodes``): blocks count from its first
     row, tokens are the step's. Returns (sequence, done, flat token, head, valid, position,
     last valid position).
+
+    A prompt launch numbers its blocks from the last: a causal block's work grows with its
+    position, and the multiprocessors take programs in grid order, so the longest blocks go
+    first and the short ones fill the gaps at the end instead of a few long ones running alone.
     """
-    q_block = tl.program_id(0)
+    q_block = tl.program_id(0) if DECODE else tl.num_programs(0) - 1 - tl.program_id(0)
     if DECODE:
         seq = q_block
     else:
