@@ -15,9 +15,11 @@ Prints JSON: one entry per (launch, dtype) with the bytes asked for (a combine l
 the schedule makes one, as a separate entry).
 
 ``--registers`` goes on to PTX and runs the ``ptxas`` that ships with Triton (``-v``): the
-registers a thread of each bf16 attention launch uses and the bytes it spills, which decide
-how fast a program runs and are not seen without a GPU otherwise (2026-12-02: the canonical
-prompt launch 255 registers and 1,544 bytes of spill stores a thread, the fast one 16).
+registers a thread of each bf16 attention launch uses, the bytes it spills, and whether ptxas
+serialised its wgmma instructions, which decide how fast a program runs and are not seen
+without a GPU otherwise (2026-12-02: the canonical prompt launch 255 registers and 1,544 bytes
+of spill stores a thread, the fast one 16; 2026-12-03: the canonical prompt launch's wgmmas
+serialised, each waiting for the one before, by a branch that folded a split's state).
 
     python tests/sm90_shared_memory.py [--registers]
 """
@@ -122,8 +124,10 @@ def _lowered(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], last: s
     raise RuntimeError(f"no {last} stage for sm_90")
 
 
-def registers(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, int]:
-    """Registers a thread of this launch uses on sm_90a and the bytes it spills (``ptxas -v``)."""
+def registers(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, int | bool]:
+    """Registers a thread of this launch uses on sm_90a, the bytes it spills, and whether ptxas
+    serialised its wgmma instructions (advisory C7515: each waits for the one before, where
+    an instruction other than a wgmma defines an accumulator inside a pipeline stage)."""
     ptx, _ = _lowered(kernel, args, kwargs, "ptx")
     ptxas = Path(tl.__file__).parents[1] / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -133,7 +137,11 @@ def registers(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dic
                                 capture_output=True, text=True, check=True).stderr
     used = re.search(r"Used (\d+) registers", report)
     spilled = re.search(r"(\d+) bytes spill stores", report)
-    return {"registers": int(used.group(1)) if used else -1, "spill_bytes": int(spilled.group(1)) if spilled else 0}
+    return {
+        "registers": int(used.group(1)) if used else -1,
+        "spill_bytes": int(spilled.group(1)) if spilled else 0,
+        "wgmma_serialized": "C7515" in report,
+    }
 
 
 def main() -> None:

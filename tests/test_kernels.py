@@ -684,18 +684,34 @@ def test_canonical_sequences_deal_their_own_splits_in_a_launch_sized_for_longer_
     _close(sized, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
 
 
+def _lowered_for_sm90(*flags: str) -> dict:
+    """What ``tests/sm90_shared_memory.py`` reports, run in a process without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("sm90_shared_memory.py")
+    run = subprocess.run([sys.executable, str(script), *flags], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
 def test_launches_fit_in_sm90_shared_memory() -> None:
     """Both schedules' prompt and decode launches, float32 and bf16, ask for no more shared
     memory than sm_90 grants a program, lowered for sm_90 on this machine as the H200
     specialises them (``tests/sm90_shared_memory.py``, a process without the interpreter). The
     canonical prompt launch asked for 263 KB in float32 before it ran one stage, and the H200
     refused it."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("sm90_shared_memory.py")
-    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = json.loads(run.stdout.splitlines()[-1])
+    found = _lowered_for_sm90()
     assert {name.rsplit(" ", 1)[0] for name in found} >= {
         "canonical prompt", "fast prompt", "canonical decode", "fast decode"
     }, found
     assert all(0 < need <= SM90_SHARED_BYTES for need in found.values()), found
+
+
+def test_prompt_launches_keep_their_wgmma_asynchronous() -> None:
+    """ptxas for sm_90a (Triton's own, run on this machine) keeps the wgmma instructions of
+    both schedules' prompt launches asynchronous. A branch in the tile loop that folded a
+    canonical split's state into the program's made it serialise every one of them (advisory
+    C7515: each waited for the one before), which the fast launch never did (2026-12-03)."""
+    found = _lowered_for_sm90("--registers")
+    for name in ("canonical prompt bfloat16", "fast prompt bfloat16"):
+        assert found[name]["registers"] > 0, found
+        assert not found[name]["wgmma_serialized"], found
