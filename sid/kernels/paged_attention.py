@@ -508,20 +508,29 @@ def _fresh(BLOCK_M: tl.constexpr, DIM: tl.constexpr):
 
 
 @triton.jit
-def _fold_split(m_f, l_f, acc_f, m_i, l_i, acc, tile_end, kv_stop, split_size, FOLD: tl.constexpr):
-    """After a tile ending at ``tile_end``: where it is the last of a split but not of the
-    program, fold the split's state into the program's (the next tile restarts the split's
-    state: ``_softmax_step``'s ``restart``). ``FOLD`` False (a fast program, one split):
-    nothing to do. The fold is computed after every tile and kept by selects where the split
-    ends: in a branch, it made ptxas serialise every wgmma of the launch (advisory C7515,
-    ``tests/sm90_shared_memory.py --registers`` reports it)."""
-    if FOLD:
-        end = (tile_end % split_size == 0) & (tile_end < kv_stop)
+def _split_tile(
+    q, k, v, keys, pos, m_f, l_f, acc_f, m_i, l_i, acc, qk_scale, tile_start, kv_stop, split_size,
+    MASKED: tl.constexpr, FAST_PREFILL: tl.constexpr, MATRIX_SUM: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    TILE: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One tile of a prompt program (``_softmax_step``), then, where it is the last of a split
+    but not of the program, the split's state folded into the program's; the next tile
+    restarts the split's state (``_softmax_step``'s ``restart``). A fast prefill program holds
+    one split: no restart, no fold. The fold is computed after every tile and kept by selects
+    where the split ends: in a branch, it made ptxas serialise every wgmma of the launch
+    (advisory C7515, ``tests/sm90_shared_memory.py --registers`` reports it). Returns the
+    program's fold and the split's state."""
+    restart = None if FAST_PREFILL else tile_start % split_size == 0
+    m_i, l_i, acc = _softmax_step(
+        q, k, v, keys, pos, m_i, l_i, acc, qk_scale, restart, MASKED, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
+    )
+    if not FAST_PREFILL:
+        end = ((tile_start + TILE) % split_size == 0) & (tile_start + TILE < kv_stop)
         m_n, l_n, acc_n = _merge(m_f, l_f, acc_f, m_i, l_i, acc)
         m_f = tl.where(end, m_n, m_f)
         l_f = tl.where(end, l_n, l_f)
         acc_f = tl.where(end, acc_n, acc_f)
-    return m_f, l_f, acc_f
+    return m_f, l_f, acc_f, m_i, l_i, acc
 
 
 @triton.jit
@@ -539,7 +548,7 @@ def _attend_splits(
     cache, then a tile holding keys of both kinds, then the pass's own keys read straight from
     ``k``/``v``; the one or two diagonal tiles left load per key and apply the causal mask.
     Each split starts from a fresh state; every split but the last is folded into the pass's
-    own at its last tile (``_fold_split``), so the loads run on across split boundaries instead
+    own at its last tile (``_split_tile``), so the loads run on across split boundaries instead
     of draining at each, and the last is finished after the loops (``_finish_split``: folded
     where the program holds split 0, else left for the combine, which folds in the same
     order). So a pass holding several splits must be split 0's program's. Returns the fold."""
@@ -559,13 +568,10 @@ def _attend_splits(
         k_at, v_at = _cache_addresses(table, k_cache_ptr, v_cache_ptr, keys, None, kv_head, dims, kc, vc, BLOCK_SIZE)
         k = tl.load(k_at, mask=dim_ok[:, None], other=0.0)
         v = tl.load(v_at, mask=dim_ok[None, :], other=0.0)
-        m_i, l_i, acc = _softmax_step(
-            q, k, v, keys, pos, m_i, l_i, acc, qk_scale, None if FAST_PREFILL else tile_start % split_size == 0, False,
-            FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET,
+        m_f, l_f, acc_f, m_i, l_i, acc = _split_tile(
+            q, k, v, keys, pos, m_f, l_f, acc_f, m_i, l_i, acc, qk_scale, tile_start, kv_stop, split_size,
+            False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, TILE, INTERPRET,
         )  # fmt: skip
-        m_f, l_f, acc_f = _fold_split(
-            m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, not FAST_PREFILL
-        )
     if k_ptr is not None:
         new_start = tl.minimum(tl.maximum(tl.cdiv(first_new, TILE) * TILE, cache_end), masked_start)
         for tile_start in tl.range(cache_end, new_start, TILE, num_stages=1):
@@ -574,39 +580,30 @@ def _attend_splits(
                 table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, keys, kv_stop, first_new, new_row0, kv_head, dims,
                 dim_ok, kc, vc, nk, nv, BLOCK_SIZE,
             )
-            m_i, l_i, acc = _softmax_step(
-                q, k, v, keys, pos, m_i, l_i, acc, qk_scale, None if FAST_PREFILL else tile_start % split_size == 0,
-                False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET,
+            m_f, l_f, acc_f, m_i, l_i, acc = _split_tile(
+                q, k, v, keys, pos, m_f, l_f, acc_f, m_i, l_i, acc, qk_scale, tile_start, kv_stop, split_size,
+                False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, TILE, INTERPRET,
             )  # fmt: skip
-            m_f, l_f, acc_f = _fold_split(
-                m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, not FAST_PREFILL
-            )
         for tile_start in tl.range(new_start, masked_start, TILE, num_stages=new_stages):
             keys = tile_start + tl.arange(0, TILE)
             k, v = _new_tile(
                 k_ptr, v_ptr, k_desc, v_desc, new_row0 + tile_start - first_new, kv_head, dims, dim_ok, nk, nv,
                 TILE, HEAD_DIM,
             )
-            m_i, l_i, acc = _softmax_step(
-                q, k, v, keys, pos, m_i, l_i, acc, qk_scale, None if FAST_PREFILL else tile_start % split_size == 0,
-                False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET,
+            m_f, l_f, acc_f, m_i, l_i, acc = _split_tile(
+                q, k, v, keys, pos, m_f, l_f, acc_f, m_i, l_i, acc, qk_scale, tile_start, kv_stop, split_size,
+                False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, TILE, INTERPRET,
             )  # fmt: skip
-            m_f, l_f, acc_f = _fold_split(
-                m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, not FAST_PREFILL
-            )
     for tile_start in tl.range(masked_start, kv_stop, TILE, num_stages=1):
         keys = tile_start + tl.arange(0, TILE)
         k, v = _mixed_tile(
             table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, keys, kv_stop, first_new, new_row0, kv_head, dims, dim_ok,
             kc, vc, nk, nv, BLOCK_SIZE,
         )
-        m_i, l_i, acc = _softmax_step(
-            q, k, v, keys, pos, m_i, l_i, acc, qk_scale, None if FAST_PREFILL else tile_start % split_size == 0, True,
-            FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET,
+        m_f, l_f, acc_f, m_i, l_i, acc = _split_tile(
+            q, k, v, keys, pos, m_f, l_f, acc_f, m_i, l_i, acc, qk_scale, tile_start, kv_stop, split_size,
+            True, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, TILE, INTERPRET,
         )  # fmt: skip
-        m_f, l_f, acc_f = _fold_split(
-            m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, not FAST_PREFILL
-        )
     return _finish_split(
         m_f, l_f, acc_f, m_i, l_i, acc, first, (kv_stop - 1) // split_size, split_size, valid, pos, partials, part,
         dims, dim_ok, DIM,
