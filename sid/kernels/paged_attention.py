@@ -384,7 +384,6 @@ def _softmax_step(
     l_i,
     acc,
     qk_scale,
-    restart,
     MASKED: tl.constexpr,
     FAST_PREFILL: tl.constexpr,
     MATRIX_SUM: tl.constexpr,
@@ -395,13 +394,7 @@ def _softmax_step(
     softmax. ``MASKED``: the causal mask, needed only on tiles some row of the block cannot
     see whole. The fast prefill schedule folds the scale into the exponent (one FMA a score);
     every other launch keeps the canonical arithmetic, which a mask that hides nothing leaves
-    bit for bit the same.
-
-    ``restart`` (None: never): the tile opens a split, so it starts from the empty state
-    (``_fresh``) whatever the state holds: the same values, so the same bits, as a state reset
-    between tiles, but set by selects next to the tile's own arithmetic. A reset between tiles
-    (a branch at a split's end that defines the accumulator) made ptxas serialise every wgmma
-    of the canonical prompt launch (advisory C7515: each waited for the one before)."""
+    bit for bit the same."""
     precision: tl.constexpr = "ieee" if DOT_DTYPE == tl.float32 else "tf32"
     s = tl.dot(q, k.to(DOT_DTYPE), input_precision=precision)
     if FAST_PREFILL:
@@ -416,9 +409,6 @@ def _softmax_step(
         s = _rounded_product(s, qk_scale, INTERPRET)
         if MASKED:
             s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
-        if restart is not None:
-            m_i = tl.where(restart, float("-inf"), m_i)
-            l_i = tl.where(restart, 0.0, l_i)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Forced to exactly 1 when the max is unchanged (e.g. a tile past the row's position).
         alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
@@ -430,10 +420,7 @@ def _softmax_step(
         l_i = l_i * alpha + _row_sum(weights, precision)
     else:
         l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if restart is not None:
-        acc = tl.where(restart, 0.0, acc)
-    acc = tl.dot(weights, v.to(DOT_DTYPE), acc, input_precision=precision)
+    acc = tl.dot(weights, v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=precision)
     return m_new, l_i, acc
 
 
@@ -508,28 +495,17 @@ def _fresh(BLOCK_M: tl.constexpr, DIM: tl.constexpr):
 
 
 @triton.jit
-def _split_tile(
-    q, k, v, keys, pos, m_f, l_f, acc_f, m_i, l_i, acc, qk_scale, tile_start, kv_stop, split_size,
-    MASKED: tl.constexpr, FAST_PREFILL: tl.constexpr, MATRIX_SUM: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    TILE: tl.constexpr, INTERPRET: tl.constexpr,
+def _fold_split(
+    m_f, l_f, acc_f, m_i, l_i, acc, tile_end, kv_stop, split_size,
+    FOLD: tl.constexpr, BLOCK_M: tl.constexpr, DIM: tl.constexpr,
 ):  # fmt: skip
-    """One tile of a prompt program (``_softmax_step``), then, where it is the last of a split
-    but not of the program, the split's state folded into the program's; the next tile
-    restarts the split's state (``_softmax_step``'s ``restart``). A fast prefill program holds
-    one split: no restart, no fold. The fold is computed after every tile and kept by selects
-    where the split ends: in a branch, it made ptxas serialise every wgmma of the launch
-    (advisory C7515, ``tests/sm90_shared_memory.py --registers`` reports it). Returns the
-    program's fold and the split's state."""
-    restart = None if FAST_PREFILL else tile_start % split_size == 0
-    m_i, l_i, acc = _softmax_step(
-        q, k, v, keys, pos, m_i, l_i, acc, qk_scale, restart, MASKED, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
-    )
-    if not FAST_PREFILL:
-        end = ((tile_start + TILE) % split_size == 0) & (tile_start + TILE < kv_stop)
-        m_n, l_n, acc_n = _merge(m_f, l_f, acc_f, m_i, l_i, acc)
-        m_f = tl.where(end, m_n, m_f)
-        l_f = tl.where(end, l_n, l_f)
-        acc_f = tl.where(end, acc_n, acc_f)
+    """After a tile ending at ``tile_end``: where it is the last of a split but not of the
+    program, fold the split's state into the program's and start the next split fresh.
+    ``FOLD`` False (a fast program, one split): nothing to do."""
+    if FOLD:
+        if (tile_end % split_size == 0) & (tile_end < kv_stop):
+            m_f, l_f, acc_f = _merge(m_f, l_f, acc_f, m_i, l_i, acc)
+            m_i, l_i, acc = _fresh(BLOCK_M, DIM)
     return m_f, l_f, acc_f, m_i, l_i, acc
 
 
@@ -548,7 +524,7 @@ def _attend_splits(
     cache, then a tile holding keys of both kinds, then the pass's own keys read straight from
     ``k``/``v``; the one or two diagonal tiles left load per key and apply the causal mask.
     Each split starts from a fresh state; every split but the last is folded into the pass's
-    own at its last tile (``_split_tile``), so the loads run on across split boundaries instead
+    own at its last tile (``_fold_split``), so the loads run on across split boundaries instead
     of draining at each, and the last is finished after the loops (``_finish_split``: folded
     where the program holds split 0, else left for the combine, which folds in the same
     order). So a pass holding several splits must be split 0's program's. Returns the fold."""
@@ -568,10 +544,12 @@ def _attend_splits(
         k_at, v_at = _cache_addresses(table, k_cache_ptr, v_cache_ptr, keys, None, kv_head, dims, kc, vc, BLOCK_SIZE)
         k = tl.load(k_at, mask=dim_ok[:, None], other=0.0)
         v = tl.load(v_at, mask=dim_ok[None, :], other=0.0)
-        m_f, l_f, acc_f, m_i, l_i, acc = _split_tile(
-            q, k, v, keys, pos, m_f, l_f, acc_f, m_i, l_i, acc, qk_scale, tile_start, kv_stop, split_size,
-            False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, TILE, INTERPRET,
-        )  # fmt: skip
+        m_i, l_i, acc = _softmax_step(
+            q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
+        )
+        m_f, l_f, acc_f, m_i, l_i, acc = _fold_split(
+            m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, not FAST_PREFILL, BLOCK_M, DIM
+        )
     if k_ptr is not None:
         new_start = tl.minimum(tl.maximum(tl.cdiv(first_new, TILE) * TILE, cache_end), masked_start)
         for tile_start in tl.range(cache_end, new_start, TILE, num_stages=1):
@@ -580,30 +558,36 @@ def _attend_splits(
                 table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, keys, kv_stop, first_new, new_row0, kv_head, dims,
                 dim_ok, kc, vc, nk, nv, BLOCK_SIZE,
             )
-            m_f, l_f, acc_f, m_i, l_i, acc = _split_tile(
-                q, k, v, keys, pos, m_f, l_f, acc_f, m_i, l_i, acc, qk_scale, tile_start, kv_stop, split_size,
-                False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, TILE, INTERPRET,
-            )  # fmt: skip
+            m_i, l_i, acc = _softmax_step(
+                q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
+            )
+            m_f, l_f, acc_f, m_i, l_i, acc = _fold_split(
+                m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, not FAST_PREFILL, BLOCK_M, DIM
+            )
         for tile_start in tl.range(new_start, masked_start, TILE, num_stages=new_stages):
             keys = tile_start + tl.arange(0, TILE)
             k, v = _new_tile(
                 k_ptr, v_ptr, k_desc, v_desc, new_row0 + tile_start - first_new, kv_head, dims, dim_ok, nk, nv,
                 TILE, HEAD_DIM,
             )
-            m_f, l_f, acc_f, m_i, l_i, acc = _split_tile(
-                q, k, v, keys, pos, m_f, l_f, acc_f, m_i, l_i, acc, qk_scale, tile_start, kv_stop, split_size,
-                False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, TILE, INTERPRET,
-            )  # fmt: skip
+            m_i, l_i, acc = _softmax_step(
+                q, k, v, keys, pos, m_i, l_i, acc, qk_scale, False, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
+            )
+            m_f, l_f, acc_f, m_i, l_i, acc = _fold_split(
+                m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, not FAST_PREFILL, BLOCK_M, DIM
+            )
     for tile_start in tl.range(masked_start, kv_stop, TILE, num_stages=1):
         keys = tile_start + tl.arange(0, TILE)
         k, v = _mixed_tile(
             table, k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, keys, kv_stop, first_new, new_row0, kv_head, dims, dim_ok,
             kc, vc, nk, nv, BLOCK_SIZE,
         )
-        m_f, l_f, acc_f, m_i, l_i, acc = _split_tile(
-            q, k, v, keys, pos, m_f, l_f, acc_f, m_i, l_i, acc, qk_scale, tile_start, kv_stop, split_size,
-            True, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, TILE, INTERPRET,
-        )  # fmt: skip
+        m_i, l_i, acc = _softmax_step(
+            q, k, v, keys, pos, m_i, l_i, acc, qk_scale, True, FAST_PREFILL, MATRIX_SUM, DOT_DTYPE, INTERPRET
+        )
+        m_f, l_f, acc_f, m_i, l_i, acc = _fold_split(
+            m_f, l_f, acc_f, m_i, l_i, acc, tile_start + TILE, kv_stop, split_size, not FAST_PREFILL, BLOCK_M, DIM
+        )
     return _finish_split(
         m_f, l_f, acc_f, m_i, l_i, acc, first, (kv_stop - 1) // split_size, split_size, valid, pos, partials, part,
         dims, dim_ok, DIM,
@@ -633,7 +617,7 @@ def _decode_splits(
             BLOCK_SIZE,
         )
         m_i, l_i, acc = _softmax_step(
-            q, k, v, keys, pos, m_i, l_i, acc, qk_scale, None, True, False, MATRIX_SUM, DOT_DTYPE, INTERPRET
+            q, k, v, keys, pos, m_i, l_i, acc, qk_scale, True, False, MATRIX_SUM, DOT_DTYPE, INTERPRET
         )
         if ((tile_start + TILE) % split_size == 0) | (tile_start + TILE >= end):
             m_f, l_f, acc_f = _finish_split(
