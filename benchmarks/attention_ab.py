@@ -38,7 +38,7 @@ from sid.kernels import paged_attention as new_kernels  # noqa: E402
 KERNEL_PATH = "sid/kernels/paged_attention.py"
 MODELS = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128)}
 CASES = [(1, 8192, 0), (8, 2048, 0), (1, 32768, 0), (2, 2048, 16384), (4, 512, 0), (16, 256, 512), (64, 128, 768),
-         (1, 1, 8191), (1, 1, 32767), (8, 1, 8191), (1, 1, 799)]
+         (1, 1, 8191), (1, 1, 32767), (8, 1, 8191), (1, 1, 799), (1, 1, 511), (64, 1, 8191)]
 """(sequences, query rows each, cached keys before them): a query row of 1 is a decode step."""
 SMOKE_MODELS = {"tiny-gqa4": (4, 1, 32)}
 SMOKE_CASES = [(2, 32, 0), (4, 40, attention.SMOKE_SPLIT - 4), (2, 1, attention.SMOKE_SPLIT + 20)]
@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--base", default="HEAD", help="git revision whose kernels are the base")
     ap.add_argument("--base-file", default=None, help="the base's paged_attention.py itself (instead of --base)")
     ap.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
+    ap.add_argument("--kinds", default="prompt,decode", help="cases to run: prompt, decode or both")
     args = parse_args(ap)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kernels = {"new": new_kernels, "base": load_base(args.base, args.base_file)}
@@ -115,6 +116,8 @@ def main() -> None:
     rows = []
     for model, shape in models.items():
         for case in SMOKE_CASES if args.smoke else CASES:
+            if ("decode" if case[1] == 1 else "prompt") not in args.kinds.split(","):
+                continue
             for row in run_case(kernels, *shape, *case, flops, device, args.smoke):
                 rows.append(dict(model=model, **row))
                 print(rows[-1], flush=True)
