@@ -255,10 +255,12 @@ def test_fast_sequences_spread_their_own_keys_in_a_launch_sized_for_longer_ones(
     _close(got, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
 
 
-def test_a_full_decode_batch_splits_only_long_sequences() -> None:
+def test_a_full_decode_batch_splits_only_long_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
     """Once a decode batch gives every multiprocessor a program, a fast split holds at least
     ``_FULL_MIN_PROGRAM_KEYS`` keys: a short sequence stays whole, a long one still spreads
-    over the launch's programs, and every row matches the reference."""
+    over the launch's programs, and every row matches the reference. The machine has the
+    interpreter's nominal multiprocessors here, so 10 programs fill it on a GPU too."""
+    monkeypatch.setattr(attention, "_num_sms", lambda device: attention._NOMINAL_SMS)
     shapes = [(700, 1)] * 4 + [(3000, 1)]
     pool = Pool(600, 2, 64, torch.float32, seed=13)
     batch = mixed_batch(pool, 4, shapes)
@@ -643,6 +645,35 @@ def test_decode_rows_fold_many_short_splits_with_the_bits_of_one_split_a_program
     assert groups == [1, attention._FULL_MIN_PROGRAM_KEYS // 256, 13]
     for other in outs[1:]:
         assert torch.equal(outs[0], other)
+    _close(outs[0], paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
+
+
+@pytest.mark.parametrize("canonical", [False, True], ids=["fast", "canonical"])
+def test_a_decode_launch_folds_its_own_partials_with_the_combine_kernels_bits(
+    canonical: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thin decode batch spreads each row over several programs; the last of a row's
+    programs to finish folds their partials in the launch (``_fold_if_last``): no combine
+    launch, the bits the combine kernel gives, and every ticket back at 0 for the next launch."""
+    monkeypatch.setattr(attention, "_target_programs", lambda device, prompt=False: 1 << 20)
+    pool = Pool(600, 2, 64, torch.float32, seed=43)
+    batch = mixed_batch(pool, 4, [(3 * SPLIT + 70, 1), (2 * SPLIT + 5, 1), (300, 1)])
+    combines = []
+    kernel = attention._combine_kernel
+
+    class Counted:
+        def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
+            combines.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(attention, "_combine_kernel", Counted())
+    outs = []
+    for tickets in (attention._TICKETS, 0):  # the launch folds / the combine kernel does
+        monkeypatch.setattr(attention, "_TICKETS", tickets)
+        outs.append(attention.paged_attention(*batch.args(pool), 0.125, canonical=canonical))
+        assert len(combines) == (tickets == 0), combines
+    assert torch.equal(outs[0], outs[1])
+    assert not attention._tickets(DEVICE).any()
     _close(outs[0], paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
 
 

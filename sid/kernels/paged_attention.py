@@ -12,9 +12,10 @@ per KV head) and ``group`` consecutive KV *splits* of its sequence (split ``s`` 
 aligned to absolute positions, with an online softmax in increasing tile order, from a fresh
 state; the splits' states are then folded left to right (``_merge``). The program that holds
 split 0 folds its own splits and writes the rows it completes; every other split's state goes
-to a partial buffer, and ``_combine_kernel`` continues the same left fold over them. So a row's
-result is the same fold of the same split states however the splits were spread over
-programs: the spread (``group``) is free to follow the batch.
+to a partial buffer, and the same left fold continues over them: in a decode launch the last
+of a block's programs to finish folds them (``_fold_if_last``), after a prompt launch
+``_combine_kernel`` does. So a row's result is the same fold of the same split states however
+the splits were spread over programs: the spread (``group``) is free to follow the batch.
 
 * Fast schedule: block shape, tile and how many programs share a sequence's keys are chosen
   from the batch (small BLOCK_M and long tiles for decode-only steps; split-KV only when the
@@ -148,17 +149,20 @@ against 1.51 for 128-key tiles, 2.38 for 4 warps)."""
 
 _COMBINE_NUM_WARPS = 4
 _COMBINE_PREFETCH = 8
-"""Splits whose partials a combine program of a decode block loads at once, all before it
+"""Splits whose partials a combine program loads at once, all before it
 folds the first (H200, Qwen3-0.6B heads, a lone row: 32k keys 55.0 us a layer against 65.1
 when each split's loads sat beside its fold; 2026-12-02)."""
+_FOLD_PREFETCH = 32
+"""Splits a decode launch's last program loads at once to fold a block's partials
+(``_fold_if_last``): a fast row's every split (``_FAST_MAX_SPLITS``), so one round trip.
+Its states hold the block's GQA group alone, not the 16 rows of the block, so 32 fit in
+registers (ptxas, sm_90a: no spills in either schedule)."""
 _COMBINE_PREFETCH_ELEMENTS = _COMBINE_PREFETCH * 16 * 128
 """Partial values a combine program holds in flight at most: a 128-row prompt block's program
 prefetches fewer splits (eight of its 64 KB states spilled: 4 x 512 fast prefill 137 us
 against 52)."""
 _COMBINE_DIMS = 32
-"""Head dimensions one combine program folds when the batch leaves multiprocessors idle: a
-lone row's partials spread over several programs. A full batch keeps one program per head,
-so each program's fixed work (finding its sequence and schedule) is not paid several times."""
+"""Head dimensions one combine program of a prompt launch folds (``_combine_kernel``)."""
 _SPLIT_DOUBLINGS = tl.constexpr(8)
 """How often a canonical split size may double (``CANONICAL_CONFIG`` ``row_splits``): 256 keys
 grow to 65,536 at most, whose 48 splits hold 3.1M keys, past any context Sid serves."""
@@ -188,6 +192,9 @@ time, which a small model's eager prompt step pays in full)."""
 _SERVE_FAST, _SERVE_CANONICAL = 1, 2
 """Bits of a launch's ``serve``: which sequences' schedule it runs."""
 _SERVE_BOTH = _SERVE_FAST | _SERVE_CANONICAL
+_TICKETS = 1 << 16
+"""Query blocks x KV heads a decode launch may have for its programs to fold their own
+partials (``_fold_if_last``); a larger one leaves them to the combine kernel."""
 
 
 def _patch_interpreter_scalar_index() -> None:
@@ -671,6 +678,7 @@ def _attention_kernel(
     part_acc_ptr,
     part_max_ptr,
     part_sum_ptr,
+    tickets_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -717,6 +725,9 @@ def _attention_kernel(
     MATRIX_SUM: tl.constexpr,
     PROMPT: tl.constexpr,
     STAGES: tl.constexpr,
+    FOLD_LAST: tl.constexpr,
+    FOLD_ROWS: tl.constexpr,
+    PREFETCH: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Online-softmax attention of one query block over its ``group`` splits (see the module doc).
@@ -727,7 +738,9 @@ def _attention_kernel(
     ``MATRIX_SUM``: the launch serves canonical sequences, whose rows sum their softmax weights
     on the matrix unit (``_row_sum``); fast rows keep the cheaper ``tl.sum``. A constant, not a
     per-sequence branch: two copies of the loop in one kernel made decode 1.3-1.7x slower
-    in both schedules (H200, 2026-12-01).
+    in both schedules (H200, 2026-12-01). ``FOLD_LAST``: the last program of a query block to
+    finish folds the block's partials (``_fold_if_last``, ``tickets_ptr``; ``FOLD_ROWS`` rows,
+    ``PREFETCH`` splits a step); otherwise ``_combine_kernel`` does.
     """
     seq, done, token, head, valid, pos, last_pos = _block_rows(
         query_start_loc_ptr, seq_lens_ptr, num_seqs, GROUP, BLOCK_M, BLOCK_Q, not PROMPT, FAST_PREFILL
@@ -804,6 +817,11 @@ def _attention_kernel(
         )
         # Rows with splits beyond this program leave their fold so far in slot 0.
         _store_partial(partials, part, valid & ~complete, m_f, l_f, acc_f, dims, dim_ok, DIM)
+    if FOLD_LAST:
+        _fold_if_last(
+            tickets_ptr, out_ptr, partials, q_start, last_pos, split_size, group, num_slots, dims, dim_ok, stride_ot,
+            stride_oh, stride_od, GROUP, FOLD_ROWS, DIM, PREFETCH,
+        )  # fmt: skip
 
 
 @triton.jit(
@@ -841,8 +859,8 @@ def _combine_kernel(
     PROMPT: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    """Continue the left fold of the rows that split 0's program left unfinished: its fold in
-    slot 0, then every later split's state, in increasing split order. A program folds
+    """The combine of a launch that does not fold its own partials (``_fold_if_last``): the
+    left fold of the rows that split 0's program left unfinished. A program folds
     ``DIMS`` of the head dimensions (the third grid axis): the fold is elementwise, so this
     spreads a lone long row's partials over more multiprocessors without changing a bit."""
     seq, done, token, head, valid, pos, last_pos = _block_rows(
@@ -858,13 +876,33 @@ def _combine_kernel(
     if (~served) | (block_splits <= group):
         return
     dims = tl.program_id(2) * DIMS + tl.arange(0, DIMS)
-    dim_ok = dims < HEAD_DIM
+    part = (token * tl.num_programs(1) * GROUP + head) * num_slots
+    partials = (part_acc_ptr, part_max_ptr, part_sum_ptr)
+    _fold_partials(
+        out_ptr, partials, part, valid, pos, split_size, group, block_splits, token, head, dims, dims < HEAD_DIM,
+        stride_ot, stride_oh, stride_od, DIM, PREFETCH,
+    )  # fmt: skip
+
+
+@triton.jit
+def _fold_partials(
+    out_ptr, partials, part, valid, pos, split_size, group, block_splits, token, head, dims, dim_ok, stride_ot,
+    stride_oh, stride_od, DIM: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """Continue the left fold of the rows that split 0's program left unfinished (those with
+    more than ``group`` splits): its fold in slot 0, then every later split's state, in
+    increasing split order, and store their outputs. ``dims`` may be a slice of the head's
+    dimensions (the fold is elementwise). The loads bypass L1: the states were stored by other
+    programs of the same launch where the last of them folds (``_fold_if_last``)."""
+    part_acc_ptr, part_max_ptr, part_sum_ptr = partials
     row_splits = pos // split_size + 1
     rows = valid & (row_splits > group)
-    part = (token * tl.num_programs(1) * GROUP + head) * num_slots
-    m_i = tl.load(part_max_ptr + part, mask=rows, other=0.0)
-    l_i = tl.load(part_sum_ptr + part, mask=rows, other=1.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * DIM + dims[None, :], mask=rows[:, None] & dim_ok[None, :], other=0.0)
+    m_i = tl.load(part_max_ptr + part, mask=rows, other=0.0, cache_modifier=".cg")
+    l_i = tl.load(part_sum_ptr + part, mask=rows, other=1.0, cache_modifier=".cg")
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * DIM + dims[None, :], mask=rows[:, None] & dim_ok[None, :], other=0.0,
+        cache_modifier=".cg",
+    )
     # PREFETCH splits a step: every state of the step is loaded before the first is folded, so
     # their loads are in flight at once. The fold is serial, its loads are not (a lone long
     # row has dozens of splits).
@@ -872,12 +910,13 @@ def _combine_kernel(
         states = ()
         for i in tl.static_range(PREFETCH):
             live = rows & (base + i < row_splits)
-            m_s = tl.load(part_max_ptr + part + base + i, mask=live, other=float("-inf"))
-            l_s = tl.load(part_sum_ptr + part + base + i, mask=live, other=0.0)
+            m_s = tl.load(part_max_ptr + part + base + i, mask=live, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(part_sum_ptr + part + base + i, mask=live, other=0.0, cache_modifier=".cg")
             acc_s = tl.load(
                 part_acc_ptr + (part + base + i)[:, None] * DIM + dims[None, :],
                 mask=live[:, None] & dim_ok[None, :],
                 other=0.0,
+                cache_modifier=".cg",
             )
             states = states + ((m_s, l_s, acc_s),)
         for i in tl.static_range(PREFETCH):
@@ -888,6 +927,38 @@ def _combine_kernel(
         (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
         mask=rows[:, None] & dim_ok[None, :],
     )
+
+
+@triton.jit
+def _fold_if_last(
+    tickets_ptr, out_ptr, partials, token, last_pos, split_size, group, num_slots, dims, dim_ok, stride_ot, stride_oh,
+    stride_od, GROUP: tl.constexpr, FOLD_ROWS: tl.constexpr, DIM: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """A decode launch's combine, in the launch: each program of a query block (one row
+    ``token`` at ``last_pos``) whose splits span several programs takes a ticket once its
+    states are stored, and the last to arrive folds them (``_fold_partials``, the combine
+    kernel's fold, so the same bits) and puts the block's ticket back to 0 for the next launch.
+    A lone long row then waits for no second kernel to start, find its sequence and schedule
+    again before its fold begins. The fold takes the block's ``GROUP`` heads alone
+    (``FOLD_ROWS``, their power of two), not its 16 padded rows, so its loads of up to
+    ``PREFETCH`` splits' states are in flight at once. H200, a lone decode row, a layer in a
+    16-call graph, against the combine kernel: 8k keys 15.2-15.9 us against 16.7-18.3 (0.86-0.92x),
+    32k 43.8-45.7 against 45.6-49.0 (0.93-0.96x), 512-800 keys 0.96-1.04x; full batches fold
+    nothing (2026-12-03)."""
+    programs = tl.cdiv(last_pos // split_size + 1, group)
+    if programs > 1:
+        ticket_at = tickets_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        tl.debug_barrier()  # every thread's stores before the ticket's release
+        if tl.atomic_add(ticket_at, 1, sem="acq_rel") == programs - 1:
+            tl.store(ticket_at, 0)
+            m = tl.arange(0, FOLD_ROWS)
+            head = tl.program_id(1) * GROUP + m
+            tokens = token.to(tl.int64) + tl.zeros_like(m).to(tl.int64)
+            part = (tokens * tl.num_programs(1) * GROUP + head) * num_slots
+            _fold_partials(
+                out_ptr, partials, part, m < GROUP, last_pos + tl.zeros_like(m), split_size, group,
+                last_pos // split_size + 1, tokens, head, dims, dim_ok, stride_ot, stride_oh, stride_od, DIM, PREFETCH,
+            )  # fmt: skip
 
 
 def _dot_dtype(q: torch.Tensor) -> tl.dtype:
@@ -915,6 +986,16 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 def _unused_partials(device: torch.device) -> torch.Tensor:
     """Stand-in partial buffer when nothing splits: same dtype, so the same compiled kernel."""
     return torch.empty(1, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _tickets(device: torch.device) -> torch.Tensor:
+    """``_fold_if_last``'s counters, one row a kind of launch (``serve`` - 1: a step's fast and
+    canonical launches may run at once, on two streams), one counter a query block and KV head,
+    all 0 between launches (the last program puts its block's back). Made once, outside any
+    CUDA graph capture, so every graph and eager call shares the same zeroed memory."""
+    assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "tickets made during a capture"
+    return torch.zeros((_SERVE_BOTH, _TICKETS), dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1258,6 +1339,9 @@ def _launch(
     k_desc, v_desc = _tensor_descriptors(k, v, sched.kv_tile, head_dim) if use_tma else (None, None)
     new_strides = (*k.stride(), *v.stride()) if k is not None else (0,) * 6
     stages = _stages(sched, k_cache.element_size())
+    # A decode launch's programs fold their own partials (``_fold_if_last``); a prompt
+    # launch's combine spreads a block's 128 rows over more programs (below).
+    fold_last = programs > 1 and not sched.prompt and grid[0] * grid[1] <= _TICKETS
     _attention_kernel[(*grid, programs)](
         q,
         k_cache,
@@ -1270,6 +1354,7 @@ def _launch(
         part_acc,
         part_max,
         part_sum,
+        _tickets(q.device)[serve - 1] if fold_last else seq_lens,  # any int32 pointer when unused
         block_tables,
         seq_lens,
         query_start_loc,
@@ -1301,15 +1386,17 @@ def _launch(
         MATRIX_SUM=serve != _SERVE_FAST,
         PROMPT=sched.prompt,
         STAGES=stages,
+        FOLD_LAST=fold_last,
+        FOLD_ROWS=triton.next_power_of_2(group),
+        PREFETCH=_FOLD_PREFETCH,
         INTERPRET=knobs.runtime.interpret,
         num_warps=sched.num_warps,
         num_stages=stages,
     )
-    if programs > 1:  # partials to fold
-        # A 128-row prompt block's program folds a slice of the head's dimensions too: all 128
-        # in float32 on four warps spilled (ptxas, sm_90a: 824 bytes a thread).
-        few = (num_tokens // block_q + num_seqs) * num_kv_heads < _target_programs(q.device)
-        dims = _COMBINE_DIMS if few or sched.prompt else dim
+    if programs > 1 and not fold_last:  # partials to fold
+        # A 128-row prompt block's program folds a slice of the head's dimensions: all 128 in
+        # float32 on four warps spilled (ptxas, sm_90a: 824 bytes a thread).
+        dims = _COMBINE_DIMS if sched.prompt else dim
         _combine_kernel[(*grid, _cdiv(dim, dims))](
             out,
             part_acc,
@@ -1335,6 +1422,6 @@ def _launch(
             DIM=dim,
             DIMS=min(dim, dims),
             PROMPT=sched.prompt,
-            PREFETCH=max(1, min(_COMBINE_PREFETCH, _COMBINE_PREFETCH_ELEMENTS // (sched.block_m * min(dim, dims)))),
+            PREFETCH=max(1, min(_COMBINE_PREFETCH, _COMBINE_PREFETCH_ELEMENTS // (sched.block_m * dims))),
             num_warps=_COMBINE_NUM_WARPS,
         )
