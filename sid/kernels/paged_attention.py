@@ -942,7 +942,7 @@ def _fold_if_last(
     again before its fold begins. The fold takes the block's ``GROUP`` heads alone
     (``FOLD_ROWS``, their power of two), not its 16 padded rows, so its loads of up to
     ``PREFETCH`` splits' states are in flight at once. H200, a lone decode row, a layer in a
-    16-call graph, against the combine kernel: 8k keys 15.2-15.9 us against 16.7-18.3 (0.86-0.92x),
+    16-call graph, against the combine kernel: 8k keys 15.2-16.3 us against 16.7-18.3 (0.86-0.92x),
     32k 43.8-45.7 against 45.6-49.0 (0.93-0.96x), 512-800 keys 0.96-1.04x; full batches fold
     nothing (2026-12-03)."""
     programs = tl.cdiv(last_pos // split_size + 1, group)
