@@ -992,8 +992,9 @@ def _unused_partials(device: torch.device) -> torch.Tensor:
 def _tickets(device: torch.device) -> torch.Tensor:
     """``_fold_if_last``'s counters, one row a kind of launch (``serve`` - 1: a step's fast and
     canonical launches may run at once, on two streams), one counter a query block and KV head,
-    all 0 between launches (the last program puts its block's back). Made once, outside any
-    CUDA graph capture, so every graph and eager call shares the same zeroed memory."""
+    all 0 between launches (the last program puts its block's back). Made once, by a device's
+    first launch (an engine's first pass is eager, before any CUDA graph capture), so every
+    graph and eager call shares the same zeroed memory."""
     assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "tickets made during a capture"
     return torch.zeros((_SERVE_BOTH, _TICKETS), dtype=torch.int32, device=device)
 
@@ -1354,7 +1355,7 @@ def _launch(
         part_acc,
         part_max,
         part_sum,
-        _tickets(q.device)[serve - 1] if fold_last else seq_lens,  # any int32 pointer when unused
+        _tickets(q.device)[serve - 1],
         block_tables,
         seq_lens,
         query_start_loc,
