@@ -945,7 +945,8 @@ def _fold_if_last(
     16-call graph, against the combine kernel: 8k keys 15.2-16.3 us against 16.7-18.3 (0.86-0.92x),
     32k 43.8-45.7 against 45.6-49.0 (0.93-0.96x), 512-800 keys 0.96-1.04x; full batches fold
     nothing (2026-12-03)."""
-    programs = tl.cdiv(last_pos // split_size + 1, group)
+    block_splits = last_pos // split_size + 1
+    programs = tl.cdiv(block_splits, group)
     if programs > 1:
         ticket_at = tickets_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         tl.debug_barrier()  # every thread's stores before the ticket's release
@@ -956,8 +957,8 @@ def _fold_if_last(
             tokens = token.to(tl.int64) + tl.zeros_like(m).to(tl.int64)
             part = (tokens * tl.num_programs(1) * GROUP + head) * num_slots
             _fold_partials(
-                out_ptr, partials, part, m < GROUP, last_pos + tl.zeros_like(m), split_size, group,
-                last_pos // split_size + 1, tokens, head, dims, dim_ok, stride_ot, stride_oh, stride_od, DIM, PREFETCH,
+                out_ptr, partials, part, m < GROUP, last_pos + tl.zeros_like(m), split_size, group, block_splits,
+                tokens, head, dims, dim_ok, stride_ot, stride_oh, stride_od, DIM, PREFETCH,
             )  # fmt: skip
 
 
@@ -989,14 +990,15 @@ def _unused_partials(device: torch.device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _tickets(device: torch.device) -> torch.Tensor:
+def _tickets(device: torch.device) -> tuple[torch.Tensor, ...]:
     """``_fold_if_last``'s counters, one row a kind of launch (``serve`` - 1: a step's fast and
-    canonical launches may run at once, on two streams), one counter a query block and KV head,
+    canonical launches may run at once, on two streams; views made once, so a launch indexes a
+    tuple, not a tensor), one counter a query block and KV head,
     all 0 between launches (the last program puts its block's back). Made once, by a device's
     first launch (an engine's first pass is eager, before any CUDA graph capture), so every
     graph and eager call shares the same zeroed memory."""
     assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "tickets made during a capture"
-    return torch.zeros((_SERVE_BOTH, _TICKETS), dtype=torch.int32, device=device)
+    return tuple(torch.zeros((_SERVE_BOTH, _TICKETS), dtype=torch.int32, device=device))
 
 
 @functools.lru_cache(maxsize=None)
