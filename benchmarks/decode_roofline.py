@@ -4,21 +4,27 @@ For each batch x context, the engine's own decode graph for that batch replays a
 which every row sits at the given context. The floor is (weight bytes + K/V bytes read) /
 bandwidth, with the bandwidth measured in the same run by reading a large bf16 tensor.
 Combinations whose K/V does not fit in the engine's pool are reported as skipped.
+``--kernels`` adds where a step's time goes: each kind of kernel's time per step under
+``torch.profiler`` (graph replays included), and the step time the kernels leave idle.
 On the CPU (``--smoke``) there are no CUDA graphs: the same static buffers and ``load``
 feed the graph's computation, which ``replay`` runs eagerly when nothing was captured.
 
-    python benchmarks/decode_roofline.py --model llama-3.1-8b      # H200
+    python benchmarks/decode_roofline.py --model llama-3.1-8b [--kernels]     # H200
     python benchmarks/decode_roofline.py --smoke                   # CPU, tiny model, seconds
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -39,11 +45,34 @@ def read_bandwidth(device: torch.device, gib: float) -> float:
     return x.numel() * 2 / device_time(x.sum, device)
 
 
+def kernel_breakdown(fn: Callable[[], object], device: torch.device, steps: int = 10) -> dict[str, dict[str, float]]:
+    """Microseconds and launches per step of each kind of kernel (names cut at their first digit or bracket,
+    so one Triton kernel's specialisations or one cuBLAS family count together) over ``steps``
+    calls of ``fn``; on the CPU, the profiler's operator times."""
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    fn()
+    with profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        on_device = event.device_type == torch.autograd.DeviceType.CUDA
+        if on_device == (device.type == "cuda"):
+            kind = totals[re.split(r"[0-9<(\[]", event.name, maxsplit=1)[0][:60]]
+            kind[0] += event.self_device_time_total if on_device else event.self_cpu_time_total
+            kind[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    return {name: {"us": us / steps, "calls": calls / steps} for name, (us, calls) in ranked}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--contexts", default="512,2048,8192")
+    ap.add_argument("--kernels", action="store_true", help="also each kind of kernel's time per step")
     ap.add_argument("--bandwidth-gib", type=float, default=4.0, help="size of the tensor the bandwidth is read from")
     args = parse_args(ap, smoke=dict(model=SMOKE_MODEL, batches="1,4", contexts="32,64", bandwidth_gib=0.0625))
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -78,13 +107,24 @@ def main() -> None:
             bucket = graphs.load([1] * b, [ctx - 1] * b, slots, tables, [ctx] * b)
             seconds = device_time(lambda: graphs.replay(bucket), device, iters=30)
             floor = (weight_bytes + b * ctx * kv_token_bytes) / bw
-            rows.append({"batch": b, "context": ctx, "step_ms": seconds * 1e3, "floor_ms": floor * 1e3,
-                         "of_floor": floor / seconds, "tok_s": b / seconds, "status": "ok"})
+            row = {"batch": b, "context": ctx, "step_ms": seconds * 1e3, "floor_ms": floor * 1e3,
+                   "of_floor": floor / seconds, "tok_s": b / seconds, "status": "ok"}
+            if args.kernels:
+                row["kernels_us"] = kernel_breakdown(lambda: graphs.replay(bucket), device)
+            rows.append(row)
     meta = {"model": args.model, "gpu": device_name(device), "cuda_graphs": graphs.captured,
             "bandwidth_TBps": bw / 1e12, "weight_GB": weight_bytes / 1e9, "kv_bytes_per_token": kv_token_bytes}
     out = write_json("decode_roofline", {**meta, "rows": rows}, args.out)
     print(f"{args.model} on {meta['gpu']}: read bandwidth {bw / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.1f} GB")
     print(table(rows, ["batch", "context", "step_ms", "floor_ms", "of_floor", "tok_s", "status"]))
+    for row in rows:
+        if "kernels_us" in row:
+            kernels = row["kernels_us"]
+            busy = sum(k["us"] for k in kernels.values())
+            calls = sum(k["calls"] for k in kernels.values())
+            idle = row["step_ms"] * 1e3 - busy
+            print(f"batch {row['batch']} x {row['context']}: {calls:.0f} kernels, {busy:.0f} us a step, idle {idle:.0f}")
+            print(table([{"kernel": k, **v} for k, v in list(kernels.items())[:12]], ["kernel", "us", "calls"]))
     print(f"wrote {out}")
 
 
