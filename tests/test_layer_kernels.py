@@ -1,4 +1,5 @@
-"""Triton row-wise kernels (RMSNorm, rotary, SwiGLU) against their torch references
+"""Triton row-wise kernels (RMSNorm, rotary, SwiGLU, rotary fused with the q/k norm and the KV
+store) against their torch references
 (``sid.kernels.layers_ref``, which the model runs off CUDA and tests/test_models.py checks
 against transformers).
 
@@ -21,9 +22,10 @@ import triton.language as tl
 from triton import knobs
 
 from sid.kernels.activation import silu_and_mul
+from sid.kernels.attention_ref import store_kv_ref
 from sid.kernels.layers_ref import apply_rotary_ref, rms_norm_ref, silu_and_mul_ref
 from sid.kernels.rms_norm import rms_norm
-from sid.kernels.rotary import apply_rotary
+from sid.kernels.rotary import apply_rotary, rope_and_store
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -176,6 +178,49 @@ def test_rotary_in_place_on_strided_qk(dtype: torch.dtype, heads: int, kv_heads:
     _close(k, k_want)
     # v shares the buffer and must be left alone.
     assert torch.equal(qkv[:, -kv_heads * head_dim :], want[:, -kv_heads * head_dim :])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 64), (3, 1, 128), (2, 2, 80)])
+@pytest.mark.parametrize("norm", [False, True])
+def test_rope_and_store_is_norm_rotary_and_store_in_one(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, norm: bool
+) -> None:
+    """The fused launch against the references one after another: q and k normed (Qwen3) and
+    rotated in place, the rotated keys and the values in their slots, every other slot and v
+    itself untouched; a token with slot -1 is rotated but stored nowhere."""
+    gen = torch.Generator().manual_seed(heads * 11 + head_dim + norm)
+    n, max_positions, num_blocks, block_size = 7, 40, 6, 4
+    positions = torch.randperm(max_positions, generator=gen)[:n]
+    cos, sin = _tables(max_positions, head_dim, positions, gen)
+    positions = positions.to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:n]
+    slots[3] = -1
+    slots = slots.to(DEVICE)
+    qkv, q, k, v = _qkv(n, heads, kv_heads, head_dim, dtype, gen)
+    weights = (_randn(head_dim, dtype=dtype, gen=gen) + 1, _randn(head_dim, dtype=dtype, gen=gen) + 1)
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    want, k_want, v_want = qkv.clone(), k_cache.clone(), v_cache.clone()
+    q_want, kk_want, vv_want = _split_qkv(want, heads, kv_heads, head_dim)
+    if norm:
+        q_want.copy_(rms_norm_ref(q_want, weights[0], EPS))
+        kk_want.copy_(rms_norm_ref(kk_want, weights[1], EPS))
+    apply_rotary_ref(q_want, kk_want, cos, sin, positions)
+    store_kv_ref(kk_want, vv_want, k_want, v_want, slots)
+    rope_and_store(q, k, v, cos, sin, positions, k_cache, v_cache, slots, (*weights, EPS) if norm else None)
+    assert not qkv.isnan().any()
+    _close(q, q_want)
+    _close(k, kk_want)
+    assert torch.equal(v, vv_want)
+    stored = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    stored[slots[slots >= 0]] = True
+    for cache in (k_cache, v_cache):
+        flat = cache.view(-1, kv_heads, head_dim)
+        assert flat[~stored].isnan().all() and not flat[stored].isnan().any()
+    # The cache holds exactly the kernel's own rotated keys (what a prompt's attention reads from k).
+    assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[slots[slots >= 0]], k[slots.cpu() >= 0])
+    assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[stored], v_want.view(-1, kv_heads, head_dim)[stored])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -33,6 +33,7 @@ _NUMERICS_SOURCES = (
     "runtime/distributed.py",
     "runtime/model_runner.py",
     "runtime/sampler.py",
+    "runtime/triton_backend.py",
 )
 
 

@@ -51,17 +51,25 @@ def _store_kv_kernel(
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:
         return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
     heads = tl.arange(0, HEADS)[:, None]
     dims = tl.arange(0, DIM)[None, :]
     mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
     k = tl.load(key_ptr + token * stride_key_t + heads * stride_key_h + dims * stride_key_d, mask=mask)
     v = tl.load(value_ptr + token * stride_value_t + heads * stride_value_h + dims * stride_value_d, mask=mask)
-    k_dst = k_cache_ptr + block * stride_kc_b + offset * stride_kc_s + heads * stride_kc_h + dims * stride_kc_d
-    v_dst = v_cache_ptr + block * stride_vc_b + offset * stride_vc_s + heads * stride_vc_h + dims * stride_vc_d
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    kc = (stride_kc_b, stride_kc_s, stride_kc_h, stride_kc_d)
+    vc = (stride_vc_b, stride_vc_s, stride_vc_h, stride_vc_d)
+    store_heads(k_cache_ptr, slot, k, heads, dims, mask, kc, BLOCK_SIZE)
+    store_heads(v_cache_ptr, slot, v, heads, dims, mask, vc, BLOCK_SIZE)
+
+
+@triton.jit
+def store_heads(cache_ptr, slot, values, heads, dims, mask, strides, BLOCK_SIZE: tl.constexpr):
+    """One token's ``values`` (rows ``heads``, columns ``dims`` of its heads) into cache slot
+    ``slot``, converted to the cache dtype; ``strides``: the cache's four."""
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    at = cache_ptr + block * strides[0] + offset * strides[1] + heads * strides[2] + dims * strides[3]
+    tl.store(at, values.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(

@@ -19,19 +19,20 @@ import torch
 from torch import nn
 
 from sid.model.config import HeadLayout, ModelConfig
-from sid.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from sid.model.layers import QKRope, RMSNorm, RotaryEmbedding, silu_and_mul
 from sid.runtime.gemm import Gemms, Linear
 
 
 class PagedAttention(Protocol):
-    """Writes a layer's new K/V into the paged cache, then attends from the cache."""
+    """Applies a layer's ``QKRope`` to its queries and keys, writes its new K/V into the paged
+    cache, then attends from the cache."""
 
     @property
     def canonical(self) -> bool:
         """The pass is canonical: cross-rank sums must use the fixed order (DESIGN 3.1)."""
         ...
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: QKRope) -> torch.Tensor: ...
 
 
 class TensorParallel(Protocol):
@@ -165,10 +166,8 @@ class Attention(nn.Module):
         q = q.view(n, shard.num_heads, cfg.head_dim)
         k = k.view(n, shard.num_kv_heads, cfg.head_dim)
         v = v.view(n, shard.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        rotary(positions, q, k)
-        out = attn(self.layer, q, k, v)
+        norms = (self.q_norm, self.k_norm) if cfg.qk_norm else (None, None)
+        out = attn(self.layer, q, k, v, QKRope(positions, rotary, *norms))
         return _row_parallel(self.tp, self.o_proj, out.reshape(n, shard.q_size), attn.canonical)
 
 

@@ -9,6 +9,7 @@ CPU-only install has no Triton, so the kernels are imported only where it is ins
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import overload
 
 import torch
@@ -79,6 +80,34 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``q`` ``[N, H, D]`` and ``k`` ``[N, KVH, D]`` in place by their token positions."""
         fn = apply_rotary if q.is_cuda else apply_rotary_ref
         fn(q, k, self.cos, self.sin, positions)
+
+
+@dataclass
+class QKRope:
+    """What a layer does to its queries and keys before attention: Qwen3's per-head RMSNorm
+    where the model has one, then the rotary embedding at the rows' positions. The model hands
+    it to its attention hook beside q, k and v, and the hook applies it: in place here
+    (``apply``), or fused with writing the keys into the cache (a GPU backend's one launch for
+    what would be up to four a layer)."""
+
+    positions: torch.Tensor
+    rotary: RotaryEmbedding
+    q_norm: RMSNorm | None = None
+    k_norm: RMSNorm | None = None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Norm (where the model has one) and rotate ``q`` ``[N, H, D]`` and ``k`` ``[N, KVH, D]`` in place."""
+        if self.q_norm is not None and self.k_norm is not None:
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        self.rotary(self.positions, q, k)
+
+    @property
+    def norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """(q weight, k weight, eps) of the per-head norms; None for a model without them."""
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

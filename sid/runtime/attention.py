@@ -23,6 +23,7 @@ from sid.kernels.attention_ref import (
     store_kv_ref,
 )
 from sid.model.decoder import CausalLM
+from sid.model.layers import QKRope
 from sid.runtime.faults import FAULTS, batch_noise
 
 
@@ -63,10 +64,18 @@ class AttentionBackend(ABC):
         return 0
 
     @abstractmethod
-    def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    def rope_and_store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: QKRope,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
     ) -> None:
-        """Write each row's K/V at its cache slot (``AttentionMetadata.slot_mapping``; -1: nowhere)."""
+        """Apply ``rope`` to ``q`` and ``k`` in place, then write each row's K/V at its cache
+        slot (``AttentionMetadata.slot_mapping``; -1: nowhere)."""
 
     @abstractmethod
     def attend(
@@ -94,9 +103,17 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    def rope_and_store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: QKRope,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
     ) -> None:
+        rope.apply(q, k)
         store_kv_ref(k, v, k_cache, v_cache, slots)
 
     def attend(
@@ -234,17 +251,20 @@ class PagedKVCache:
         assert self.meta is not None, "attention metadata must be set before the forward pass"
         return self.meta.any_canonical
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The model's attention hook: cache first, then attention from the cache."""
-        self.store(layer, k, v, self._meta().slot_mapping)
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: QKRope) -> torch.Tensor:
+        """The model's attention hook: q/k transform and cache first, then attention from the cache."""
+        self.store(layer, q, k, v, rope, self._meta().slot_mapping)
         return self.attend(layer, q, k, v)
 
     def _meta(self) -> AttentionMetadata:
         assert self.meta is not None, "attention metadata must be set before the forward pass"
         return self.meta
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        self.backend.store_kv(k, v, self.k[layer], self.v[layer], slots)
+    def store(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: QKRope, slots: torch.Tensor
+    ) -> None:
+        """``rope`` applied to ``q``/``k`` in place, and layer ``layer``'s new K/V into the cache."""
+        self.backend.rope_and_store(q, k, v, rope, self.k[layer], self.v[layer], slots)
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from sid.model.decoder import CausalLM
+from sid.model.layers import QKRope
 from sid.runtime.attention import PagedKVCache
 
 _DENSE_FROM = 512
@@ -119,9 +120,9 @@ class PieceGraphs:
 
 
 class _Cut:
-    """The model's attention hook inside ``PieceGraphs``, over ``bucket`` rows: stores the
-    layer's K/V, hands q/k/v to the static buffers and returns the static output. It attends
-    the first ``attend`` rows right away; capturing (``graphs``, ``attend`` None), it ends the
+    """The model's attention hook inside ``PieceGraphs``, over ``bucket`` rows: applies the
+    layer's ``QKRope`` and stores its K/V, hands q/k/v to the static buffers and returns the
+    static output. It attends the first ``attend`` rows right away; capturing (``graphs``, ``attend`` None), it ends the
     layer's piece there and begins the next instead. (None alone: a warm-up of padding rows,
     whose output is whatever the buffer holds.)"""
 
@@ -136,9 +137,9 @@ class _Cut:
         # Under TP, pieces that may carry riding rows sum across ranks in the fixed order.
         self.canonical = owner.invariant
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: QKRope) -> torch.Tensor:
         o, n = self.owner, self.bucket
-        o.kv_cache.store(layer, k, v, o.slots[:n])
+        o.kv_cache.store(layer, q, k, v, rope, o.slots[:n])
         o.q[:n].copy_(q)
         o.k[:n].copy_(k)
         o.v[:n].copy_(v)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from sid.kernels.kv_store import store_kv
 from sid.kernels.paged_attention import CANONICAL_CONFIG, paged_attention
+from sid.kernels.rotary import rope_and_store
+from sid.model.layers import QKRope
 from sid.runtime.attention import AttentionBackend, AttentionMetadata
 
 
@@ -19,10 +20,19 @@ class TritonAttentionBackend(AttentionBackend):
         one split)."""
         return int(CANONICAL_CONFIG["kv_split"]) + int(CANONICAL_CONFIG["kv_tile"]) // 2
 
-    def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    def rope_and_store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: QKRope,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
     ) -> None:
-        store_kv(k, v, k_cache, v_cache, slots)
+        """The norms, the rotation and the store in one launch."""
+        cos, sin = rope.rotary.cos, rope.rotary.sin
+        rope_and_store(q, k, v, cos, sin, rope.positions, k_cache, v_cache, slots, rope.norms)
 
     def attend(
         self,
