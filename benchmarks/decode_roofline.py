@@ -84,7 +84,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,2048,8192")
     ap.add_argument("--kernels", action="store_true", help="also each kind of kernel's time per step")
     ap.add_argument("--bandwidth-gib", type=float, default=4.0, help="size of the tensor the bandwidth is read from")
-    args = parse_args(ap, smoke=dict(model=SMOKE_MODEL, batches="1,4", contexts="32,64", bandwidth_gib=0.0625))
+    args = parse_args(ap, smoke=dict(model=SMOKE_MODEL, batches="1,4", contexts="32,64", bandwidth_gib=0.0625,
+                                     kernels=True))
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(model_dir(args.model), load_format="dummy" if args.model in PRESETS else "auto",
