@@ -134,7 +134,8 @@ def main() -> None:
             busy = sum(k["us"] for k in kernels.values())
             calls = sum(k["calls"] for k in kernels.values())
             idle = row["step_ms"] * 1e3 - busy
-            print(f"batch {row['batch']} x {row['context']}: {calls:.0f} kernels, {busy:.0f} us a step, idle {idle:.0f}")
+            where = f"batch {row['batch']} x {row['context']}"
+            print(f"{where}: {calls:.0f} kernels, {busy:.0f} us a step, idle {idle:.0f}")
             print(table([{"kernel": k, **v} for k, v in list(kernels.items())[:12]], ["kernel", "us", "calls"]))
     print(f"wrote {out}")
 

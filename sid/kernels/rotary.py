@@ -18,9 +18,10 @@ Floor: every q and k element is read and written once, plus one cos and one sin 
 token, and with the store K and V written once more. For Llama-3.1-8B (32 query and 8 KV
 heads of 128, bf16) that is 21 KiB per token (29 KiB with the store): a 256-token decode step
 takes at least 1.5 us at 3.7 TB/s, an 8192-token prefill 48 us. Decode is bound by launch
-latency, which is why the norm and the store ride in this launch instead of three more
-(H200, a batch-1 decode step: 1.4-2.3 us a launch; one program a token took 2.9 us for
-Llama-3.1-8B's heads, the rotation and store alone).
+latency, which is why the norm and the store ride in this launch instead of three more. On
+the H200 (16-call graphs, 2026-12-03) the separate launches took 2.9 us for one token of
+Llama-3.1-8B's heads and 6.3 us for one of Qwen3-0.6B's with its q/k norm, this one 2.3 and
+2.5 us; 8,192 tokens 65 and 167 us against 65 and 50.
 """
 
 from __future__ import annotations

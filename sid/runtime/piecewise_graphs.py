@@ -122,9 +122,9 @@ class PieceGraphs:
 class _Cut:
     """The model's attention hook inside ``PieceGraphs``, over ``bucket`` rows: applies the
     layer's ``QKRope`` and stores its K/V, hands q/k/v to the static buffers and returns the
-    static output. It attends the first ``attend`` rows right away; capturing (``graphs``, ``attend`` None), it ends the
-    layer's piece there and begins the next instead. (None alone: a warm-up of padding rows,
-    whose output is whatever the buffer holds.)"""
+    static output. It attends the first ``attend`` rows right away; capturing (``graphs``,
+    ``attend`` None), it ends the layer's piece there and begins the next instead. (None alone:
+    a warm-up of padding rows, whose output is whatever the buffer holds.)"""
 
     def __init__(
         self,
