@@ -26,6 +26,10 @@ from sid.kernels.attention_ref import store_kv_ref
 from sid.kernels.layers_ref import apply_rotary_ref, rms_norm_ref, silu_and_mul_ref
 from sid.kernels.rms_norm import rms_norm
 from sid.kernels.rotary import apply_rotary, rope_and_store
+from sid.model.config import RopeConfig
+from sid.model.layers import QKRope, RMSNorm, RotaryEmbedding
+from sid.runtime.attention import TorchAttentionBackend
+from sid.runtime.triton_backend import TritonAttentionBackend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -221,6 +225,38 @@ def test_rope_and_store_is_norm_rotary_and_store_in_one(
     # The cache holds exactly the kernel's own rotated keys (what a prompt's attention reads from k).
     assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[slots[slots >= 0]], k[slots.cpu() >= 0])
     assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[stored], v_want.view(-1, kv_heads, head_dim)[stored])
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_the_triton_backend_applies_a_layers_qkrope_as_the_torch_one_does(qk_norm: bool) -> None:
+    """The attention hook's first step, through both backends: the Triton one hands the
+    layer's ``QKRope`` (its rotary table, positions and Qwen3's norms) to the fused launch and
+    must leave q, k and the cache as the torch one's steps in sequence do (in inference mode,
+    as the engine runs them)."""
+    gen = torch.Generator().manual_seed(int(qk_norm))
+    n, heads, kv_heads, head_dim, max_positions = 6, 4, 2, 64, 64
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, max_positions).to(DEVICE)
+    norms = [RMSNorm(head_dim, EPS).to(DEVICE) for _ in range(2)] if qk_norm else [None, None]
+    for norm in norms:
+        if norm is not None:
+            norm.weight.data = _randn(head_dim, dtype=torch.float32, gen=gen) + 1
+    rope = QKRope(torch.randperm(max_positions, generator=gen)[:n].to(DEVICE), rotary, *norms)
+    slots = torch.randperm(16, generator=gen)[:n].to(DEVICE)
+    qkv = _qkv(n, heads, kv_heads, head_dim, torch.float32, gen)[0]
+    results = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        out = qkv.clone()
+        q, k, v = _split_qkv(out, heads, kv_heads, head_dim)
+        caches = [torch.full((4, 4, kv_heads, head_dim), float("nan"), device=DEVICE) for _ in range(2)]
+        with torch.inference_mode():
+            backend.rope_and_store(q, k, v, rope, *caches, slots)
+        results.append((out, *caches))
+    (want, k_want, v_want), (got, k_got, v_got) = results
+    assert not torch.equal(want, qkv)
+    _close(got, want)
+    assert torch.equal(k_got.isnan(), k_want.isnan()) and torch.equal(v_got.isnan(), v_want.isnan())
+    _close(k_got.nan_to_num(0.0), k_want.nan_to_num(0.0))
+    assert torch.equal(v_got.nan_to_num(0.0), v_want.nan_to_num(0.0))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
