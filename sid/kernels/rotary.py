@@ -153,6 +153,7 @@ def _launch(
     num_kv_heads = k.shape[1]
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly"
     group = num_heads // num_kv_heads
+    # Without norms or a store the kernel never reads those arguments: any tensor stands in.
     q_weight, k_weight, eps = (q, k, 0.0) if norms is None else norms
     v, k_cache, v_cache, slots = (k, k, k, positions) if store is None else store
     cache_strides = (0,) * 4 if store is None else (*k_cache.stride(), *v_cache.stride())
