@@ -63,7 +63,6 @@ class AttentionBackend(ABC):
         boundary of the canonical schedule (none beyond its tiles here)."""
         return 0
 
-    @abstractmethod
     def rope_and_store(
         self,
         q: torch.Tensor,
@@ -75,7 +74,10 @@ class AttentionBackend(ABC):
         slots: torch.Tensor,
     ) -> None:
         """Apply ``rope`` to ``q`` and ``k`` in place, then write each row's K/V at its cache
-        slot (``AttentionMetadata.slot_mapping``; -1: nowhere)."""
+        slot (``AttentionMetadata.slot_mapping``; -1: nowhere). Here one step after the other;
+        a backend may fuse them."""
+        rope.apply(q, k)
+        store_kv_ref(k, v, k_cache, v_cache, slots)
 
     @abstractmethod
     def attend(
@@ -102,19 +104,6 @@ class TorchAttentionBackend(AttentionBackend):
     """Reference backend: SDPA per sequence (fast), tiled online softmax (canonical)."""
 
     name = "torch"
-
-    def rope_and_store(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        rope: QKRope,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
-        rope.apply(q, k)
-        store_kv_ref(k, v, k_cache, v_cache, slots)
 
     def attend(
         self,
