@@ -1399,7 +1399,7 @@ def _launch(
     if programs > 1 and not fold_last:  # partials to fold
         # A 128-row prompt block's program folds a slice of the head's dimensions: all 128 in
         # float32 on four warps spilled (ptxas, sm_90a: 824 bytes a thread).
-        dims = _COMBINE_DIMS if sched.prompt else dim
+        dims = min(dim, _COMBINE_DIMS) if sched.prompt else dim
         _combine_kernel[(*grid, _cdiv(dim, dims))](
             out,
             part_acc,
@@ -1423,7 +1423,7 @@ def _launch(
             TILE=sched.kv_tile,
             HEAD_DIM=head_dim,
             DIM=dim,
-            DIMS=min(dim, dims),
+            DIMS=dims,
             PROMPT=sched.prompt,
             PREFETCH=max(1, min(_COMBINE_PREFETCH, _COMBINE_PREFETCH_ELEMENTS // (sched.block_m * dims))),
             num_warps=_COMBINE_NUM_WARPS,
