@@ -18,7 +18,6 @@ measured in the same run.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import attention  # noqa: E402  (switches the interpreter on off CUDA, before Triton's import)
-from common import parse_args, table, write_json  # noqa: E402
+from common import load_module, parse_args, table, write_json  # noqa: E402
 
 from sid.kernels import paged_attention as new_kernels  # noqa: E402
 
@@ -53,11 +52,7 @@ def load_base(rev: str, path: str | None) -> ModuleType:
                                 cwd=Path(__file__).resolve().parents[1]).stdout
         path = str(Path(tempfile.mkdtemp()) / "base_paged_attention.py")
         Path(path).write_text(source)
-    spec = importlib.util.spec_from_file_location("base_paged_attention", path)
-    assert spec is not None and spec.loader is not None, path
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(path, "base_paged_attention")
 
 
 def run_case(

@@ -9,6 +9,7 @@ all (tests/test_benchmarks.py) and none rots unnoticed. A new benchmark gets it 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -172,6 +174,16 @@ def replayable(fn: Callable[[], object], device: torch.device) -> Callable[[], o
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+def load_module(path: str | Path, name: str) -> ModuleType:
+    """A Python file loaded as a module of its own name (another revision's or a patched copy
+    of a kernel module, beside the tree's own)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def write_json(name: str, data: dict[str, Any], out: str | None) -> Path:
