@@ -37,7 +37,8 @@ from sid.kernels import paged_attention as new_kernels  # noqa: E402
 KERNEL_PATH = "sid/kernels/paged_attention.py"
 MODELS = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128)}
 CASES = [(1, 8192, 0), (8, 2048, 0), (1, 32768, 0), (2, 2048, 16384), (4, 512, 0), (16, 256, 512), (64, 128, 768),
-         (1, 1, 8191), (1, 1, 32767), (8, 1, 8191), (1, 1, 799), (1, 1, 511), (64, 1, 8191)]
+         (1, 1, 8191), (1, 1, 32767), (8, 1, 8191), (1, 1, 799), (1, 1, 511), (64, 1, 8191),
+         (2, 1, 8191), (4, 1, 8191), (16, 1, 8191), (32, 1, 8191), (4, 1, 32767), (8, 1, 32767)]
 """(sequences, query rows each, cached keys before them): a query row of 1 is a decode step."""
 SMOKE_MODELS = {"tiny-gqa4": (4, 1, 32)}
 SMOKE_CASES = [(2, 32, 0), (4, 40, attention.SMOKE_SPLIT - 4), (2, 1, attention.SMOKE_SPLIT + 20)]

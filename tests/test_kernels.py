@@ -274,6 +274,19 @@ def test_a_full_decode_batch_splits_only_long_sequences(monkeypatch: pytest.Monk
     _close(got, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
 
 
+def test_fast_decode_splits_never_launch_past_the_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thin decode launch's splits keep its programs within the target (on an H200's 132
+    multiprocessors): rounding up left a third wave of a few programs (8 x 32k keys with 8 KV
+    heads: 576 programs for 528)."""
+    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
+    target = attention._target_programs(DEVICE)
+    for batch in range(1, 80):
+        sched = attention._fast_schedule(batch, batch, 4, 8, 1, 40960, DEVICE)
+        splits = attention._cdiv(40960, sched.split_size)
+        assert splits == 1 or batch * 8 * splits <= target, (batch, splits)
+        assert batch * 8 >= target or batch * 8 * (splits + 1) > target or splits == attention._FAST_MAX_SPLITS
+
+
 @pytest.mark.parametrize("new_kv", [None, "fused", "strided"])
 def test_fast_prompt_rows_split_kv(new_kv: str | None) -> None:
     """A thin prompt step splits the fast schedule's keys too, at a boundary inside a 128-row
