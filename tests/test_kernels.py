@@ -274,17 +274,25 @@ def test_a_full_decode_batch_splits_only_long_sequences(monkeypatch: pytest.Monk
     _close(got, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
 
 
-def test_fast_decode_splits_never_launch_past_the_target(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A thin decode launch's splits keep its programs within the target (on an H200's 132
-    multiprocessors): rounding up left a third wave of a few programs (8 x 32k keys with 8 KV
-    heads: 576 programs for 528)."""
+def test_fast_decode_splits_take_the_fewest_waves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode launch's fast splits (on an H200's 132 multiprocessors, 8 KV heads): the
+    target's programs rounded down, unless rounding up takes fewer waves a split. Rounding up
+    alone gave batch 8 nine splits, 576 programs, a third wave of 48 (2026-12-03); batch 40
+    keeps two splits, since one would leave a wave of 56 whole rows after the first."""
     monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
     target = attention._target_programs(DEVICE)
-    for batch in range(1, 80):
-        sched = attention._fast_schedule(batch, batch, 4, 8, 1, 40960, DEVICE)
-        splits = attention._cdiv(40960, sched.split_size)
-        assert splits == 1 or batch * 8 * splits <= target, (batch, splits)
-        assert batch * 8 >= target or batch * 8 * (splits + 1) > target or splits == attention._FAST_MAX_SPLITS
+    at_once = attention._DECODE_PROGRAMS_AT_ONCE * 132
+
+    def splits(batch: int) -> int:
+        return attention._cdiv(40960, attention._fast_schedule(batch, batch, 4, 8, 1, 40960, DEVICE).split_size)
+
+    assert (splits(8), splits(16), splits(40), splits(64)) == (8, 4, 2, 1)
+    for batch in range(4, 80):  # batch 1-3: ``_FAST_MAX_SPLITS`` caps the splits first
+        programs, chosen = batch * 8, splits(batch)
+        fewer = max(1, target // programs)
+        assert chosen in (fewer, attention._cdiv(target, programs)), batch
+        waves = attention._cdiv(programs * chosen, at_once) / chosen
+        assert waves <= attention._cdiv(programs * fewer, at_once) / fewer, batch
 
 
 @pytest.mark.parametrize("new_kv", [None, "fused", "strided"])
@@ -748,6 +756,8 @@ def test_launches_fit_in_sm90_shared_memory() -> None:
         "canonical prompt", "fast prompt", "canonical decode", "fast decode"
     }, found
     assert all(0 < need <= SM90_SHARED_BYTES for need in found.values()), found
+    decode = found["fast decode bfloat16"]
+    assert SM90_SHARED_BYTES // decode == attention._DECODE_PROGRAMS_AT_ONCE, found
 
 
 def test_the_fast_prompt_launch_keeps_its_wgmma_asynchronous() -> None:

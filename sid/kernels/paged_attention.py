@@ -179,10 +179,12 @@ _FAST_MAX_SPLITS = 32
 after another (~0.25 us each on the H200), so beyond this more splits cost more than the
 parallelism they add (batch 1 at 32k keys: 68 us with 64 splits, 51 with 32)."""
 _PROGRAMS_PER_SM = 4
-"""Split-KV spreads a batch to about this many programs a multiprocessor, a decode batch to at
-most this many: its fast splits round down, since past the target the last wave ran a few
-programs with the GPU idle (H200, a layer in a 16-call graph, 8 KV heads: 8 x 32k keys 324 ->
-271 us, 16 x 8k 161 -> 144; a Qwen3-0.6B decode step at 8 x 32k 9.89 -> 8.39 ms; 2026-12-03)."""
+"""Split-KV spreads a batch until about this many programs per multiprocessor."""
+_DECODE_PROGRAMS_AT_ONCE = 2
+"""Decode programs a multiprocessor runs at once: a bf16 one asks for 78 KB of sm_90's 227 KB
+of shared memory and 227-255 registers of its 128 threads' share of 64K
+(``tests/sm90_shared_memory.py``). A fast decode launch's splits are chosen by the waves of
+programs this gives (``_decode_spread``)."""
 _NOMINAL_SMS = 8
 """Stand-in multiprocessor count off CUDA (the interpreter), so CPU runs exercise split-KV."""
 _DECODE_LAUNCH_FROM = 16
@@ -1088,6 +1090,19 @@ def _canonical_row_splits(keys: int, row_splits: int) -> int:
     return max(pos // split + 1, row_splits if split > CANONICAL_CONFIG["kv_split"] else 1)
 
 
+def _decode_spread(programs: int, device: torch.device) -> int:
+    """Splits of a fast decode launch with ``programs`` query blocks x KV heads: the target's
+    programs over them rounded down, unless rounding up takes fewer waves a split
+    (``_DECODE_PROGRAMS_AT_ONCE``). Rounding up alone left a last wave of a few programs with
+    the GPU idle (H200, a layer in a 16-call graph, 8 KV heads: 8 x 32k keys in 9 splits, 576
+    programs, 324 us; in 8, 512 programs, 271 us; 16 x 8k 161 -> 144 us; a Qwen3-0.6B decode
+    step at 8 x 32k 9.89 -> 8.39 ms; 2026-12-03). Where rounding down would leave one full wave
+    and a few programs of whole rows (batch 34-49 with 8 KV heads), the launch keeps rounding up."""
+    target, at_once = _target_programs(device), _DECODE_PROGRAMS_AT_ONCE * _num_sms(device)
+    low, high = max(1, target // programs), _cdiv(target, programs)
+    return high if _cdiv(programs * high, at_once) * low < _cdiv(programs * low, at_once) * high else low
+
+
 def _min_keys(decode: bool, programs: int, device: torch.device) -> int:
     """The fewest keys a program of a launch with ``programs`` query blocks x KV heads walks."""
     return _FULL_MIN_PROGRAM_KEYS if decode and programs >= _num_sms(device) else _MIN_PROGRAM_KEYS
@@ -1160,9 +1175,10 @@ def _fast_schedule(
         kv_tile, num_warps = cfg["kv_tile"], cfg["num_warps"]
     programs = _query_blocks(num_tokens, num_seqs, max_query_len, block_m // group) * num_kv_heads
     min_keys = _min_keys(max_query_len == 1, programs, device)
-    # A decode launch rounds its splits down (``_PROGRAMS_PER_SM``); a prompt launch's were tuned rounded up.
-    target = _target_programs(device)
-    spread = target // programs if max_query_len == 1 else _cdiv(target, programs)
+    if max_query_len == 1:
+        spread = _decode_spread(programs, device)
+    else:
+        spread = _cdiv(_target_programs(device), programs)
     splits = max(1, min(spread, max_seq_len // min_keys, _FAST_MAX_SPLITS))
     split_size = _fast_split(max_seq_len, splits, kv_tile, min_keys)
     max_splits = _cdiv(max_seq_len, split_size)
