@@ -750,7 +750,7 @@ def test_launches_fit_in_sm90_shared_memory() -> None:
     memory than sm_90 grants a program, lowered for sm_90 on this machine as the H200
     specialises them (``tests/sm90_shared_memory.py``, a process without the interpreter). The
     canonical prompt launch asked for 263 KB in float32 before it ran one stage, and the H200
-    refused it."""
+    refused it. A bf16 decode program's share sets ``_DECODE_PROGRAMS_AT_ONCE``."""
     found = _lowered_for_sm90()
     assert {name.rsplit(" ", 1)[0] for name in found} >= {
         "canonical prompt", "fast prompt", "canonical decode", "fast decode"

@@ -182,7 +182,7 @@ _PROGRAMS_PER_SM = 4
 """Split-KV spreads a batch until about this many programs per multiprocessor."""
 _DECODE_PROGRAMS_AT_ONCE = 2
 """Decode programs a multiprocessor runs at once: a bf16 one asks for 78 KB of sm_90's 227 KB
-of shared memory and 227-255 registers of its 128 threads' share of 64K
+of shared memory, and its 128 threads 227-255 registers each, half of the 64K
 (``tests/sm90_shared_memory.py``). A fast decode launch's splits are chosen by the waves of
 programs this gives (``_decode_spread``)."""
 _NOMINAL_SMS = 8
