@@ -6,7 +6,9 @@ after its tile loop, before and after the fold of the partials (``_fold_if_last`
 multiprocessor; the stamps go to the launch's ticket row past the counters the fold uses. One
 eager launch is read back, its outputs compared bit for bit with the unpatched kernel's, and
 both kernels' times a call in 16-call CUDA graphs are given beside it. Times are µs from the
-launch's first program start. On 2026-12-03 (H200, batch 1) this showed a lone program
+launch's first program start; ``start_spread_us`` is when the last program with keys to walk
+started (a graph sized for more keys than a row holds launches programs that exit at once:
+counted, they showed a canonical batch-1 launch starting over 9 µs). On 2026-12-03 (H200, batch 1) this showed a lone program
 walking two 128-key tiles in ~8 µs with the GPU otherwise idle, and the fold adding 2-5 µs at
 every context (docs/PERFORMANCE.md, twenty-fourth session).
 
@@ -106,7 +108,7 @@ def timeline(stamps: torch.Tensor) -> dict[str, float | int]:
         return float((x - t0).float().max()) / 1e3 if x.numel() else 0.0
 
     return dict(
-        programs=len(started), working=len(worked), start_spread_us=us(started[:, 0]),
+        programs=len(started), working=len(worked), start_spread_us=us(worked[:, 0]),
         walk_median_us=float(((worked[:, 2] - worked[:, 1]).float() / 1e3).median()) if len(worked) else 0.0,
         walked_by_us=us(worked[:, 2]),
         fold_us=float(((ended[:, 4] - ended[:, 3]).float() / 1e3).max()) if len(ended) else 0.0,
