@@ -8,9 +8,9 @@ eager launch is read back, its outputs compared bit for bit with the unpatched k
 both kernels' times a call in 16-call CUDA graphs are given beside it. Times are µs from the
 launch's first program start; ``start_spread_us`` is when the last program with keys to walk
 started (a graph sized for more keys than a row holds launches programs that exit at once:
-counted, they showed a canonical batch-1 launch starting over 9 µs). On 2026-12-03 (H200, batch 1) this showed a lone program
-walking two 128-key tiles in ~8 µs with the GPU otherwise idle, and the fold adding 2-5 µs at
-every context (docs/PERFORMANCE.md, twenty-fourth session).
+counted, they showed a canonical batch-1 launch starting over 9 µs). On 2026-12-03 (H200,
+batch 1) this showed a lone program walking two 128-key tiles in ~8 µs with the GPU otherwise
+idle, and the fold adding 2-5 µs at every context (docs/PERFORMANCE.md, twenty-fourth session).
 
 On the CPU (``--smoke``) the interpreter runs the patched kernel with a constant in place of
 the timer: it checks that the patch still fits the kernel and keeps its bits.

@@ -1168,21 +1168,19 @@ def _fast_schedule(
     blocks and long tiles for decode-only steps, big blocks for prefill, and split-KV when the
     grid would leave multiprocessors idle."""
     cfg = FAST_PREFILL_CONFIG
-    if max_query_len == 1:
+    decode = max_query_len == 1
+    if decode:
         block_m, kv_tile, num_warps = max(16, triton.next_power_of_2(group)), 128, 4
     else:
         block_m = max(cfg["block_m"], triton.next_power_of_2(group))
         kv_tile, num_warps = cfg["kv_tile"], cfg["num_warps"]
     programs = _query_blocks(num_tokens, num_seqs, max_query_len, block_m // group) * num_kv_heads
-    min_keys = _min_keys(max_query_len == 1, programs, device)
-    if max_query_len == 1:
-        spread = _decode_spread(programs, device)
-    else:
-        spread = _cdiv(_target_programs(device), programs)
+    min_keys = _min_keys(decode, programs, device)
+    spread = _decode_spread(programs, device) if decode else _cdiv(_target_programs(device), programs)
     splits = max(1, min(spread, max_seq_len // min_keys, _FAST_MAX_SPLITS))
     split_size = _fast_split(max_seq_len, splits, kv_tile, min_keys)
     max_splits = _cdiv(max_seq_len, split_size)
-    if max_query_len == 1:
+    if decode:
         return _Schedule(block_m, kv_tile, split_size, num_warps, num_stages=3, min_keys=min_keys, max_splits=max_splits)
     return _Schedule(
         block_m, kv_tile, split_size, num_warps, cfg["num_stages"], prompt=True, fast_prefill=True, min_keys=min_keys,
