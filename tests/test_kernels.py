@@ -274,11 +274,12 @@ def test_a_full_decode_batch_splits_only_long_sequences(monkeypatch: pytest.Monk
     _close(got, paged_attention_ref(*batch.args(pool), 0.125), torch.float32)
 
 
-def test_fast_decode_splits_take_the_fewest_waves(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_splits_take_the_fewest_waves(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode launch's fast splits (on an H200's 132 multiprocessors, 8 KV heads): the
     target's programs rounded down, unless rounding up takes fewer waves a split. Rounding up
     alone gave batch 8 nine splits, 576 programs, a third wave of 48 (2026-12-03); batch 40
-    keeps two splits, since one would leave a wave of 56 whole rows after the first."""
+    keeps two splits, since one would leave a wave of 56 whole rows after the first. The
+    canonical launch spreads a row over as many programs (it walked batch 40's rows whole)."""
     monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
     target = attention._target_programs(DEVICE)
     at_once = attention._DECODE_PROGRAMS_AT_ONCE * 132
@@ -286,7 +287,12 @@ def test_fast_decode_splits_take_the_fewest_waves(monkeypatch: pytest.MonkeyPatc
     def splits(batch: int) -> int:
         return attention._cdiv(40960, attention._fast_schedule(batch, batch, 4, 8, 1, 40960, DEVICE).split_size)
 
+    def canonical_programs(batch: int) -> int:
+        sched = attention._canonical_schedule(4, batch, batch, 8, 1, 40960, DEVICE)
+        return attention._cdiv(sched.max_splits, sched.group)
+
     assert (splits(8), splits(16), splits(40), splits(64)) == (8, 4, 2, 1)
+    assert [canonical_programs(b) for b in (8, 16, 40, 64)] == [8, 4, 2, 1]
     for batch in range(4, 80):  # batch 1-3: ``_FAST_MAX_SPLITS`` caps the splits first
         programs, chosen = batch * 8, splits(batch)
         fewer = max(1, target // programs)
