@@ -566,6 +566,41 @@ def test_sequences_take_their_own_schedule_in_one_batch(
     _close(mixed, paged_attention_ref(*batch.args(pool), 0.125), torch.bfloat16)
 
 
+@pytest.mark.parametrize("deterministic", ["decodes", "prompts"])
+def test_each_part_of_a_step_launches_only_the_schedules_it_holds(
+    deterministic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Told which schedules a step's decodes and its prompt rows take (``part_schedules``), each
+    launch runs only those: no canonical prompt launch when the deterministic rows all decode,
+    a fast decode launch (``tl.sum``) when they are all prompt rows. Canonical rows keep the
+    bits they get when the launch is told nothing."""
+    monkeypatch.setattr(attention, "_DECODE_LAUNCH_FROM", 2)
+    pool = Pool(260, 2, 64, torch.bfloat16, seed=31)
+    batch = mixed_batch(pool, 4, [(SPLIT + 60, 1), (70, 1), (37, 37), (SPLIT + 4, 12)])
+    batch.q = batch.q.to(torch.bfloat16)
+    host = [1, 0, 0, 0] if deterministic == "decodes" else [0, 0, 1, 0]
+    flags = torch.tensor(host, dtype=torch.int32, device=DEVICE)
+    kw = dict(max_query_len=37, max_seq_len=SPLIT + 60, num_decodes=2, **batch.new_kv(pool, "fused"))
+    parts = ((not all(host[:2]), any(host[:2])), (not all(host[2:]), any(host[2:])))
+    launches: list[tuple[bool, int]] = []
+    launch = attention._launch
+    monkeypatch.setattr(attention, "_launch", lambda *a: launches.append((a[-3].prompt, a[-2])) or launch(*a))
+    told = attention.paged_attention(*batch.args(pool), 0.125, canonical=flags, part_schedules=parts, **kw)
+    fast, canonical, both = attention._SERVE_FAST, attention._SERVE_CANONICAL, attention._SERVE_BOTH
+    if deterministic == "decodes":
+        assert sorted(launches) == [(False, both), (True, fast)]
+    else:
+        assert sorted(launches) == [(False, fast), (True, fast), (True, canonical)]
+    launches.clear()
+    untold = attention.paged_attention(*batch.args(pool), 0.125, canonical=flags, **kw)
+    assert sorted(launches) == [(False, both), (True, fast), (True, canonical)]
+    starts = batch.query_start_loc.tolist()
+    for s, flag in enumerate(host):
+        if flag:
+            assert torch.equal(told[starts[s] : starts[s + 1]], untold[starts[s] : starts[s + 1]]), f"sequence {s}"
+    _close(told, paged_attention_ref(*batch.args(pool), 0.125), torch.bfloat16)
+
+
 @pytest.mark.parametrize("schedule", ["fast", "canonical", "mixed"])
 def test_leading_one_row_sequences_beside_prompt_rows_get_a_decode_launch(
     schedule: str, monkeypatch: pytest.MonkeyPatch

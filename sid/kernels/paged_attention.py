@@ -1208,6 +1208,7 @@ def paged_attention(
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     num_decodes: int = 0,
+    part_schedules: tuple[tuple[bool, bool], tuple[bool, bool]] | None = None,
 ) -> torch.Tensor:
     """Causal varlen paged attention of ``q`` ``[N, heads, head_dim]`` over the cache.
 
@@ -1229,7 +1230,10 @@ def paged_attention(
     in a 128-row prompt block a decode row took a whole block's work (H200, Qwen3-0.6B heads,
     200 decodes of 700 keys beside 8 prompts of 500 rows: 474 us a layer fast and 586
     canonical in one launch, 278 / 288 in two). A canonical row's bits are the same in both
-    block shapes (``CANONICAL_CONFIG``)."""
+    block shapes (``CANONICAL_CONFIG``). ``part_schedules`` are ``schedules`` for those first
+    sequences and for the rest, so each launch runs only the schedules its own sequences take:
+    a step whose deterministic rows all decode then makes no canonical prompt launch, and its
+    fast decodes keep ``tl.sum`` where its canonical rows are all prompts."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -1254,18 +1258,23 @@ def paged_attention(
     # A launch for each kind of sequence: one-row ones (a step's first ``num_decodes``) beside
     # prompt rows get their own (docstring).
     kinds = [_Rows(num_tokens, max_query_len, block_tables, seq_lens, query_start_loc, flags, k, v)]
+    parts = [(any_fast, any_canonical)]
     if max_query_len > 1 and _DECODE_LAUNCH_FROM <= num_decodes < num_seqs:
         d = num_decodes
         kinds = [
             _Rows(d, 1, block_tables[:d], seq_lens[:d], query_start_loc[: d + 1], flags[:d], None, None),
             _Rows(num_tokens - d, max_query_len, block_tables[d:], seq_lens[d:], query_start_loc[d:], flags[d:], k, v),
         ]
+        if isinstance(canonical, torch.Tensor) and part_schedules is not None:
+            parts = list(part_schedules)
+        else:
+            parts *= 2
     launches = []
-    for rows in kinds:
+    for rows, (has_fast, has_canonical) in zip(kinds, parts):
         seqs = rows.seq_lens.shape[0]
         shape = (num_kv_heads, rows.max_query_len, max_seq_len, q.device)
-        fast = _fast_schedule(rows.num_tokens, seqs, group, *shape) if any_fast else None
-        canon = _canonical_schedule(group, rows.num_tokens, seqs, *shape) if any_canonical else None
+        fast = _fast_schedule(rows.num_tokens, seqs, group, *shape) if has_fast else None
+        canon = _canonical_schedule(group, rows.num_tokens, seqs, *shape) if has_canonical else None
         launches.append((rows, fast, canon))
     # Per schedule: a row's splits at most, and its programs along the keys (more than one
     # leave partials for the combine).

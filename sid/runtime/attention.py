@@ -45,6 +45,9 @@ class AttentionMetadata:
     an int32 ``[S]`` tensor, 1 = canonical (then ``schedules`` says which occur)."""
     schedules: tuple[bool, bool] = (True, True)
     """(any fast sequence, any canonical one), when ``canonical`` is a tensor."""
+    part_schedules: tuple[tuple[bool, bool], tuple[bool, bool]] | None = None
+    """``schedules`` of the first ``num_decodes`` sequences and of the rest, for a backend that
+    launches the two apart (None: both may hold both)."""
     memo: dict[str, object] = field(default_factory=dict, repr=False)
     """Work that depends on this metadata alone, done by a backend in the first layer and
     reused by the others (the torch backend's split of the rows by schedule)."""

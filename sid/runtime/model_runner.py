@@ -489,6 +489,7 @@ class ModelRunner:
                 self.device, [step.seq_lens, qsl, step.block_tables, flags or ()], torch.int32
             )
             q_lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
+            decodes = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
             self.kv_cache.meta = AttentionMetadata(
                 slot_mapping=slots,
                 block_tables=tables.view(-1, width),
@@ -496,9 +497,10 @@ class ModelRunner:
                 query_start_loc=query_start_loc,
                 max_query_len=max(q_lens),
                 max_seq_len=max(step.seq_lens),
-                num_decodes=next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens)),
+                num_decodes=decodes,
                 canonical=step.canonical if flags is None else canonical_seqs,
-                schedules=(True, True) if flags is None else (not all(flags), any(flags)),
+                schedules=(True, True) if flags is None else _schedules(flags),
+                part_schedules=None if flags is None else (_schedules(flags[:decodes]), _schedules(flags[decodes:])),
             )
             gemms = self.model.gemms
             pieces, rows = self.pieces, len(step.input_ids)
@@ -576,6 +578,11 @@ class ModelRunner:
             keep = [r.deterministic for r in owners] + [True] * rows.logit_pad
             noise[torch.tensor(keep, device=self.device)] = 0.0
         return logits + FAULTS.fast_lane_logit_noise * noise
+
+
+def _schedules(flags: Sequence[int]) -> tuple[bool, bool]:
+    """(any fast sequence, any canonical one) among per-sequence flags (1 = canonical)."""
+    return not all(flags), any(flags)
 
 
 def _pad_rows(rows: list[int], size: int) -> tuple[list[int], int]:

@@ -63,6 +63,7 @@ class TritonAttentionBackend(AttentionBackend):
             k=k,
             v=v,
             num_decodes=meta.num_decodes,
+            part_schedules=meta.part_schedules,
         )
 
     def canonical_config(self) -> dict[str, object]:
