@@ -174,6 +174,28 @@ def test_gemms_run_only_the_canonical_rows_on_a_proven_path_that_is_not_the_fast
     assert gemms.split_of(np.ones(300, dtype=bool), x.device) is None  # every row canonical: no split
 
 
+def test_a_one_call_proven_path_runs_every_row_of_a_mixed_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the proven path is one call (cuBLAS on a GPU), a mixed pass runs all its rows on it,
+    in one call: a split would cost two calls and the row gathers; a pass without canonical
+    rows keeps the fast path."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=gen).bfloat16()
+    fast, proven = GemmPath("cpu", tile=7), GemmPath("cpu")  # the fast path as the tile fault makes it
+    sizes = PassSizes.grid(1, 512, 8, cover=True)
+    gemms = Gemms(fast, {(96, 64, False): proven}, sizes=sizes)
+    calls: list[tuple[GemmPath, int]] = []
+    monkeypatch.setattr(gemm, "run", lambda path, x, w, b=None: calls.append((path, len(x))) or run(path, x, w, b))
+    x = torch.randn(300, 64, generator=gen).bfloat16()
+    for canonical, expected in (([3, 40, 299], [(proven, 300)]), ([], [(fast, 300)])):
+        flags = np.zeros(300, dtype=bool)
+        flags[canonical] = True
+        gemms.select(True, gemms.split_of(flags, x.device))
+        calls.clear()
+        out = gemms.linear(x, w)
+        assert calls == expected
+        assert torch.equal(out, run(expected[0][0], x, w))
+
+
 @pytest.mark.parametrize("strategy", ["speculate", "direct", "whole"])
 def test_windowed_strategies_give_the_riding_bits(
     trained_model: Path, reference: dict, faults: None, strategy: str

@@ -166,8 +166,8 @@ class CUDAGraphs:
     def forward(self, shape: GraphShape) -> torch.Tensor:
         """The captured computation of graph ``shape``, eagerly: logits of its static rows.
         An invariant graph runs every row on the proven GEMM paths, not only the
-        deterministic ones as eager passes do (``RowSplit``): which rows those are changes
-        from replay to replay, and a graph's shapes cannot."""
+        deterministic ones as eager passes do on a bounded path (``RowSplit``): which rows
+        those are changes from replay to replay, and a graph's shapes cannot."""
         self.kv_cache.meta = self._meta(shape)
         self.model.gemms.select(shape.invariant)
         hidden = self.model(self.input_ids[: shape.rows], self.positions[: shape.rows], self.kv_cache)

@@ -35,11 +35,14 @@ for 8, where cuBLASLt took 16.0 for either). Since its rows keep their bits at e
 count, such a GEMM may run padded to a cheaper row count (``Gemms.min_rows``, timed at
 start-up, ``pad_floors``): a speed choice that changes no bits, so no fingerprint records it.
 
-A pass that holds deterministic rows among normal ones runs a shape whose proven path is not
-the fast one row-selectively (``RowSplit``): only the deterministic rows take the proven path,
-the others the fast path in one call, so a long prompt beside one deterministic decode row
-does not run at the proven path's speed. Where the proven path is the fast path, all rows
-stay in one call.
+A pass that holds deterministic rows among normal ones runs a shape whose proven path is
+*bounded* (calls of a bounded row count, the CPU's) row-selectively (``RowSplit``): only the
+deterministic rows take the proven path, the others the fast path in one call, so a long
+prompt beside one deterministic decode row does not run in tiles. A proven path of one call
+(cuBLAS) runs every row of such a pass, as it does where the proven path is the fast one: the
+split's two calls and row gathers cost more than they save (H200, one layer's four GEMMs,
+eager, 4,096 rows of which 10 % deterministic: Qwen3-0.6B split 1,381 us, every row on the
+proven path 390, the fast path alone 644; Llama-3.1-8B 3,134 / 2,618 / 2,488; 2026-12-04).
 """
 
 from __future__ import annotations
@@ -90,6 +93,11 @@ class GemmPath:
     """Rows per GEMM call, the last call padded; 0 = all rows in one call."""
     max_rows: int = 0
     """Rows per GEMM call at most, none padded (with ``tile`` 0); 0 = all rows in one call."""
+
+    @property
+    def bounded(self) -> bool:
+        """Whether a pass runs in calls of a bounded row count (so its rows split, ``RowSplit``)."""
+        return bool(self.tile or self.max_rows)
 
     def __str__(self) -> str:
         if self.tile:
@@ -154,8 +162,8 @@ class RowSplit:
     """A pass's rows split into the canonical ones (deterministic sequences') and the others,
     found once per pass (the runner's ``forward``) and read by every GEMM of it.
 
-    A GEMM whose proven path is not the fast one runs the canonical rows alone on the proven
-    path and the others on the fast path, one call each. The proven call has ``proven_rows``
+    A GEMM whose proven path is bounded runs the canonical rows alone on the proven path and
+    the others on the fast path, one call each. The proven call has ``proven_rows``
     rows, a row count the start-up proof covered: a row gets the same bits at every such
     count, so computing only the canonical rows gives them the bits of the whole pass."""
 
@@ -193,7 +201,8 @@ class Gemms:
 
     def select(self, invariant: bool, split: RowSplit | None = None) -> None:
         """The paths of the GEMMs to come: the fast ones, or (``invariant``) the proven ones
-        for the rows of ``split`` (every row when None) and the fast ones for the rest."""
+        for the rows of ``split`` (every row when None, or on a one-call proven path) and the
+        fast ones for the rest."""
         self.use_invariant, self.split = invariant, split
 
     def split_of(self, flags: np.ndarray, device: torch.device) -> RowSplit | None:
@@ -212,7 +221,8 @@ class Gemms:
             return self._fast(x, weight, bias)
         assert self.invariant is not None, "a pass asked for invariant GEMMs before any were proven"
         shape, split = shape_of(weight, bias), self.split
-        if split is None or self.invariant[shape] == self.fast:
+        path = self.invariant[shape]
+        if split is None or path == self.fast or (split.count and not path.bounded):
             return self._proven(shape, x, weight, bias)
         if not split.count:
             return self._fast(x, weight, bias)

@@ -9,7 +9,7 @@ alone.
 
 Where the GEMMs keep a row's bits at every row count (``ride``, DESIGN 1b), a fast pass may
 carry deterministic requests' rows: those rows run the GEMMs on their row-invariant paths
-(the other rows too where a path is the fast one, else the fast path: ``RowSplit``), the pass
+(the other rows too, except on a bounded path, where they take the fast one: ``RowSplit``), the pass
 is padded to a size the start-up proof covered (as are its LM head and sampler rows), and
 those rows attend with the canonical schedule while the others keep the fast one.
 
