@@ -32,7 +32,9 @@ from sid.kernels.attention_ref import (
     store_kv_ref,
 )
 from sid.kernels.kv_store import store_kv
+from sid.runtime import triton_backend
 from sid.runtime.attention import AttentionMetadata, TorchAttentionBackend
+from sid.runtime.triton_backend import TritonAttentionBackend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CPU = torch.device("cpu")
@@ -551,7 +553,7 @@ def test_sequences_take_their_own_schedule_in_one_batch(
     kw = dict(max_query_len=max(n for _, n in shapes), max_seq_len=max(c for c, _ in shapes))
     served: list[int] = []
     launch = attention._launch
-    monkeypatch.setattr(attention, "_launch", lambda *a: served.append(a[-2]) or launch(*a))
+    monkeypatch.setattr(attention, "_launch", lambda batch, one: served.append(one.serve) or launch(batch, one))
     mixed = attention.paged_attention(*batch.args(pool), 0.125, canonical=flags, **kw)
     decode = kw["max_query_len"] == 1
     separate = [attention._SERVE_FAST, attention._SERVE_CANONICAL]
@@ -584,7 +586,9 @@ def test_each_part_of_a_step_launches_only_the_schedules_it_holds(
     parts = ((not all(host[:2]), any(host[:2])), (not all(host[2:]), any(host[2:])))
     launches: list[tuple[bool, int]] = []
     launch = attention._launch
-    monkeypatch.setattr(attention, "_launch", lambda *a: launches.append((a[-3].prompt, a[-2])) or launch(*a))
+    monkeypatch.setattr(
+        attention, "_launch", lambda batch, one: launches.append((one.sched.prompt, one.serve)) or launch(batch, one)
+    )
     told = attention.paged_attention(*batch.args(pool), 0.125, canonical=flags, part_schedules=parts, **kw)
     fast, canonical, both = attention._SERVE_FAST, attention._SERVE_CANONICAL, attention._SERVE_BOTH
     if deterministic == "decodes":
@@ -623,10 +627,10 @@ def test_leading_one_row_sequences_beside_prompt_rows_get_a_decode_launch(
     launch = attention._launch
 
     def only(prompt: bool | None) -> Callable[..., None]:  # only the prompt launches, only the decode one, or all
-        def run(*a: Any) -> None:
-            kinds.append((a[1].seq_lens.shape[0], a[-3].prompt))
-            if prompt in (None, a[-3].prompt):
-                launch(*a)
+        def run(batch: Any, one: Any) -> None:
+            kinds.append((one.rows.seq_lens.shape[0], one.sched.prompt))
+            if prompt in (None, one.sched.prompt):
+                launch(batch, one)
 
         return run
 
@@ -648,6 +652,32 @@ def test_leading_one_row_sequences_beside_prompt_rows_get_a_decode_launch(
         if schedule == "canonical" or schedule == "mixed" and flags[s]:
             assert torch.equal(out[rows], one[rows]), f"sequence {s}"
     _close(out, paged_attention_ref(*batch.args(pool), 0.125), torch.bfloat16)
+
+
+def test_one_plan_serves_every_layer_of_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton backend plans a step's launches in its first layer (``AttentionPlan``, kept in
+    the metadata's memo) and every layer runs them: each gets the bits of a call that plans for
+    itself, though the layers share the plan's partials."""
+    monkeypatch.setattr(attention, "_DECODE_LAUNCH_FROM", 2)
+    pool = Pool(260, 2, 64, torch.bfloat16, seed=37)
+    batch = mixed_batch(pool, 4, [(SPLIT + 60, 1), (70, 1), (37, 37), (SPLIT + 4, 12)])
+    batch.q = batch.q.to(torch.bfloat16)
+    q, k_cache, v_cache, tables, seq_lens, starts = batch.args(pool)
+    flags = torch.tensor([1, 0, 0, 1], dtype=torch.int32, device=DEVICE)
+    kv = batch.new_kv(pool, "fused")
+    sizes = dict(max_query_len=37, max_seq_len=SPLIT + 60, num_decodes=2)
+    meta = AttentionMetadata(torch.zeros(len(q), dtype=torch.int64), tables, seq_lens, starts, canonical=flags, **sizes)
+    plans: list[attention.AttentionPlan] = []
+    plan = triton_backend.plan_attention
+    monkeypatch.setattr(triton_backend, "plan_attention", lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1])
+    backend = TritonAttentionBackend()
+    gen = torch.Generator().manual_seed(5)
+    for layer_q, scale in ((q, 0.125), (torch.randn(q.shape, generator=gen).to(q), 0.3), (q, 0.125)):
+        got = backend.attend(layer_q, k_cache, v_cache, meta, scale, **kv)
+        alone = attention.paged_attention(layer_q, k_cache, v_cache, tables, seq_lens, starts, scale, canonical=flags,
+                                          **sizes, **kv)  # fmt: skip
+        assert torch.equal(got, alone)
+    assert len(plans) == 1 and plans[0].slots > 1  # planned once; its rows split, so the partials are shared
 
 
 def test_canonical_bits_do_not_depend_on_how_splits_are_spread(monkeypatch: pytest.MonkeyPatch) -> None:

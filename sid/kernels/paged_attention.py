@@ -1027,7 +1027,7 @@ def _tensor_descriptors(
     kv_heads * head_dim]``; (None, None) where the device or the layout rules them out (a
     head_dim that is not the kernel's padded one, heads or dimensions not contiguous, rows not
     16-byte aligned)."""
-    if not _has_tma(k.device) or head_dim != max(16, triton.next_power_of_2(head_dim)):
+    if not _has_tma(k.device) or head_dim != max(16, _next_power_of_2(head_dim)):
         return None, None
     descriptors = []
     for t in (k, v):
@@ -1068,7 +1068,7 @@ def _row_splits(group: int) -> int:
     straddle a change of size: a group that is not a power of two (Qwen2.5-7B's 7, 3 in the
     trained test model). A function of the model alone, so every batch agrees."""
     cfg = CANONICAL_CONFIG
-    block_q = max(cfg["prefill_block_m"], triton.next_power_of_2(group)) // group
+    block_q = max(cfg["prefill_block_m"], _next_power_of_2(group)) // group
     return cfg["row_splits"] if cfg["kv_split"] * cfg["row_splits"] % block_q == 0 else 0
 
 
@@ -1114,6 +1114,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` on the host: that one is a constexpr function, whose
+    wrapper cost a few microseconds a call."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def _target_programs(device: torch.device, prompt: bool = False) -> int:
     """Programs split-KV spreads a launch to. A canonical prompt program fills a multiprocessor
     alone (255 registers x 256 threads, 169 KB of shared memory), so its launch spreads only
@@ -1133,7 +1139,7 @@ def _canonical_schedule(
     of a row's splits one program folds: all of them once the batch alone fills the GPU."""
     cfg = CANONICAL_CONFIG
     prompt = max_query_len > 1
-    block_m = max(cfg["prefill_block_m"] if prompt else cfg["block_m"], triton.next_power_of_2(group))
+    block_m = max(cfg["prefill_block_m"] if prompt else cfg["block_m"], _next_power_of_2(group))
     programs = _query_blocks(num_tokens, num_seqs, max_query_len, block_m // group) * num_kv_heads
     row_splits = _row_splits(group)
     splits = _canonical_row_splits(max_seq_len, row_splits)
@@ -1173,9 +1179,9 @@ def _fast_schedule(
     cfg = FAST_PREFILL_CONFIG
     decode = max_query_len == 1
     if decode:
-        block_m, kv_tile, num_warps = max(16, triton.next_power_of_2(group)), 128, 4
+        block_m, kv_tile, num_warps = max(16, _next_power_of_2(group)), 128, 4
     else:
-        block_m = max(cfg["block_m"], triton.next_power_of_2(group))
+        block_m = max(cfg["block_m"], _next_power_of_2(group))
         kv_tile, num_warps = cfg["kv_tile"], cfg["num_warps"]
     programs = _query_blocks(num_tokens, num_seqs, max_query_len, block_m // group) * num_kv_heads
     min_keys = _min_keys(decode, programs, device)
@@ -1234,91 +1240,172 @@ def paged_attention(
     sequences and for the rest, so each launch runs only the schedules its own sequences take:
     a step whose deterministic rows all decode then makes no canonical prompt launch, and its
     fast decodes keep ``tl.sum`` where its canonical rows are all prompts."""
+    plan = plan_attention(
+        q, k_cache, block_tables, seq_lens, query_start_loc, canonical=canonical, max_query_len=max_query_len,
+        max_seq_len=max_seq_len, schedules=schedules, own_keys=k is not None and v is not None,
+        num_decodes=num_decodes, part_schedules=part_schedules,
+    )  # fmt: skip
+    return run_attention(plan, q, k_cache, v_cache, scale, out=out, k=k, v=v)
+
+
+class _Launch(NamedTuple):
+    """One kernel launch of a plan, and the combine of its partials."""
+
+    rows: _Rows
+    sched: _Schedule
+    serve: int
+    """Which sequences' schedule it runs (``_SERVE_*``)."""
+    programs: int
+    """Programs per query block and KV head along the keys."""
+    splits: tuple[int, int, int]
+    """What every launch over these rows reads: the fast programs, the canonical
+    ``row_splits`` and the canonical programs."""
+    beside: bool = False
+    """On CUDA, run on the side stream beside the next launch (module doc)."""
+
+
+class AttentionPlan(NamedTuple):
+    """A step's attention launches, found from its metadata alone (``plan_attention``). Every
+    layer of the step runs the same ones (``run_attention``), so the host plans once a step:
+    planning took 47 us of host time a layer for a fast prompt step and 74 for a mixed one
+    (a CPU, 100 decodes beside 8 prompts, the launches themselves stubbed out; 2026-12-04)."""
+
+    launches: tuple[_Launch, ...]
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    """Split states for the combine (accumulators, maxima, sums), indexed by the step's rows;
+    the layers reuse them one after another on the stream."""
+    slots: int
+    own_keys: bool
+    """Prompt launches read the pass's own keys from ``k``/``v`` (``run_attention``)."""
+    num_tokens: int
+
+
+def plan_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    canonical: bool | torch.Tensor,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    schedules: tuple[bool, bool] | None = None,
+    own_keys: bool = False,
+    num_decodes: int = 0,
+    part_schedules: tuple[tuple[bool, bool], tuple[bool, bool]] | None = None,
+) -> AttentionPlan:
+    """The launches of ``paged_attention`` for a step whose queries have ``q``'s shape and
+    dtype (any layer's), with the arguments of the same names; ``own_keys``: the layers will
+    pass their ``k``/``v``."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
-    if out is None:
-        out = torch.empty_like(q)
     if num_tokens == 0:
-        return out
+        return AttentionPlan((), (_unused_partials(q.device),) * 3, 1, False, 0)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    if k is None or v is None or max_query_len == 1:
-        k = v = None
-    else:
-        assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, "k/v must have the cache's dtype"
+    own_keys = own_keys and max_query_len > 1
     if isinstance(canonical, torch.Tensor):
         flags, (any_fast, any_canonical) = canonical, schedules or (True, True)
     else:
-        flags = _uniform_flags(q.device, canonical, triton.next_power_of_2(num_seqs))
+        flags = _uniform_flags(q.device, canonical, _next_power_of_2(num_seqs))
         any_fast, any_canonical = not canonical, canonical
     # A launch for each kind of sequence: one-row ones (a step's first ``num_decodes``) beside
     # prompt rows get their own (docstring).
-    kinds = [_Rows(num_tokens, max_query_len, block_tables, seq_lens, query_start_loc, flags, k, v)]
+    kinds = [_Rows(num_tokens, max_query_len, block_tables, seq_lens, query_start_loc, flags, own_keys)]
     parts = [(any_fast, any_canonical)]
     if max_query_len > 1 and _DECODE_LAUNCH_FROM <= num_decodes < num_seqs:
         d = num_decodes
         kinds = [
-            _Rows(d, 1, block_tables[:d], seq_lens[:d], query_start_loc[: d + 1], flags[:d], None, None),
-            _Rows(num_tokens - d, max_query_len, block_tables[d:], seq_lens[d:], query_start_loc[d:], flags[d:], k, v),
+            _Rows(d, 1, block_tables[:d], seq_lens[:d], query_start_loc[: d + 1], flags[:d], False),
+            _Rows(num_tokens - d, max_query_len, block_tables[d:], seq_lens[d:], query_start_loc[d:], flags[d:], own_keys),
         ]
         if isinstance(canonical, torch.Tensor) and part_schedules is not None:
             parts = list(part_schedules)
         else:
             parts *= 2
-    launches = []
+    found = []
     for rows, (has_fast, has_canonical) in zip(kinds, parts):
         seqs = rows.seq_lens.shape[0]
         shape = (num_kv_heads, rows.max_query_len, max_seq_len, q.device)
         fast = _fast_schedule(rows.num_tokens, seqs, group, *shape) if has_fast else None
         canon = _canonical_schedule(group, rows.num_tokens, seqs, *shape) if has_canonical else None
-        launches.append((rows, fast, canon))
+        found.append((rows, fast, canon))
     # Per schedule: a row's splits at most, and its programs along the keys (more than one
     # leave partials for the combine).
-    programs = {s: _cdiv(s.max_splits, s.group) for _, fast, canon in launches for s in (fast, canon) if s is not None}
+    programs = {s: _cdiv(s.max_splits, s.group) for _, fast, canon in found for s in (fast, canon) if s is not None}
     slots = max([s.max_splits for s, p in programs.items() if p > 1] or [1])
     if slots > 1:
-        part_acc = torch.empty((num_tokens, num_heads, slots, max(16, triton.next_power_of_2(head_dim))),
+        part_acc = torch.empty((num_tokens, num_heads, slots, max(16, _next_power_of_2(head_dim))),
                                dtype=torch.float32, device=q.device)
         part_max = torch.empty((num_tokens, num_heads, slots), dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
+        partials = (part_acc, part_max, torch.empty_like(part_max))
     else:
-        part_acc = part_max = part_sum = _unused_partials(q.device)
-    batch = _Batch(q, k_cache, v_cache, out, (part_acc, part_max, part_sum), slots, scale)
-    for rows, fast, canon in launches:
+        partials = (_unused_partials(q.device),) * 3
+    launches = []
+    for rows, fast, canon in found:
         splits = (
             programs[fast] if fast is not None else 1,
             canon.row_splits if canon is not None else 0,
             programs[canon] if canon is not None else 1,
         )
-
-        def launch(sched: _Schedule, serve: int, n: int) -> None:
-            _launch(batch, rows, *splits, sched, serve, n)
-
         if fast is not None and canon is not None and _constants(fast) == _constants(canon):
             # One launch serves both (module doc): as many programs along the keys as either needs.
-            launch(canon, _SERVE_BOTH, max(programs[fast], programs[canon]))
-        elif fast is not None and canon is not None and q.device.type == "cuda":
-            # The canonical launch first, beside the fast one (module doc); the join orders every
-            # later use of ``out`` and of the partials after both.
+            launches.append(_Launch(rows, canon, _SERVE_BOTH, max(programs[fast], programs[canon]), splits))
+        else:
+            # The canonical launch first, beside the fast one on CUDA (module doc).
+            beside = fast is not None and q.device.type == "cuda"
+            if canon is not None:
+                launches.append(_Launch(rows, canon, _SERVE_CANONICAL, programs[canon], splits, beside))
+            if fast is not None:
+                launches.append(_Launch(rows, fast, _SERVE_FAST, programs[fast], splits))
+    return AttentionPlan(tuple(launches), partials, slots, own_keys, num_tokens)
+
+
+def run_attention(
+    plan: AttentionPlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One layer's ``paged_attention`` by ``plan`` (made for this step's metadata and ``q``'s
+    shape): ``q``, the layer's cache, and with ``plan.own_keys`` the layer's ``k``/``v``."""
+    if out is None:
+        out = torch.empty_like(q)
+    if plan.own_keys:
+        assert k is not None and v is not None, "the plan reads the pass's own keys"
+        assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, "k/v must have the cache's dtype"
+    else:
+        k = v = None
+    batch = _Batch(q, k_cache, v_cache, out, plan.partials, plan.slots, scale, k, v)
+    side = None
+    for launch in plan.launches:
+        if launch.beside:
+            # The join after the next launch orders every later use of ``out`` and of the
+            # partials after both.
             main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                launch(canon, _SERVE_CANONICAL, programs[canon])
-            launch(fast, _SERVE_FAST, programs[fast])
-            main.wait_stream(side)
-        else:
-            for sched, serve in ((fast, _SERVE_FAST), (canon, _SERVE_CANONICAL)):
-                if sched is not None:
-                    launch(sched, serve, programs[sched])
+                _launch(batch, launch)
+            continue
+        _launch(batch, launch)
+        if side is not None:
+            torch.cuda.current_stream(q.device).wait_stream(side)
+            side = None
     return out
 
 
 class _Batch(NamedTuple):
-    """What every launch of one ``paged_attention`` call shares."""
+    """What every launch of one layer shares."""
 
     q: torch.Tensor
     k_cache: torch.Tensor
@@ -1328,6 +1415,8 @@ class _Batch(NamedTuple):
     """Split states for the combine (accumulators, maxima, sums), indexed by the step's rows."""
     slots: int
     scale: float
+    k: torch.Tensor | None
+    v: torch.Tensor | None
 
 
 class _Rows(NamedTuple):
@@ -1340,31 +1429,24 @@ class _Rows(NamedTuple):
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     flags: torch.Tensor
-    k: torch.Tensor | None
-    v: torch.Tensor | None
+    own_keys: bool
+    """Keys from a sequence's first query row on come from the layer's ``k``/``v``."""
 
 
-def _launch(
-    batch: _Batch,
-    rows: _Rows,
-    fast_programs: int,
-    canonical_row_splits: int,
-    canonical_programs: int,
-    sched: _Schedule,
-    serve: int,
-    programs: int,
-) -> None:
-    """One attention launch over the sequences of ``rows`` with the schedules in ``serve``
-    (``programs`` per query block and KV head along the keys), and the combine of their
-    partials. A launch serving both schedules has one batch, so one ``min_keys``."""
+def _launch(batch: _Batch, launch: _Launch) -> None:
+    """One attention launch over the sequences of ``launch.rows`` with the schedules in
+    ``launch.serve``, and the combine of their partials. A launch serving both schedules has
+    one batch, so one ``min_keys``."""
     q, k_cache, v_cache, out, (part_acc, part_max, part_sum) = batch[:5]
-    num_tokens, _, block_tables, seq_lens, query_start_loc, flags, k, v = rows
+    rows, sched, serve, programs, (fast_programs, canonical_row_splits, canonical_programs) = launch[:5]
+    num_tokens, _, block_tables, seq_lens, query_start_loc, flags, own_keys = rows
+    k, v = (batch.k, batch.v) if own_keys else (None, None)
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     block_size, head_dim, slots = k_cache.shape[1], q.shape[2], batch.slots
     group = q.shape[1] // num_kv_heads
     canonical_split = CANONICAL_CONFIG["kv_split"]
     block_q = sched.block_m // group
-    dim = max(16, triton.next_power_of_2(head_dim))
+    dim = max(16, _next_power_of_2(head_dim))
     # A decode launch's sequences have one row each: a block a sequence (``_block_rows``).
     grid = (num_seqs if not sched.prompt else num_tokens // block_q + 2 * num_seqs, num_kv_heads)
     # Both schedules read the pass's own keys through descriptors (the canonical prompt launch:
@@ -1422,7 +1504,7 @@ def _launch(
         PROMPT=sched.prompt,
         STAGES=stages,
         FOLD_LAST=fold_last,
-        FOLD_ROWS=triton.next_power_of_2(group),
+        FOLD_ROWS=_next_power_of_2(group),
         PREFETCH=_FOLD_PREFETCH,
         INTERPRET=knobs.runtime.interpret,
         num_warps=sched.num_warps,

@@ -50,7 +50,8 @@ class AttentionMetadata:
     launches the two apart (None: both may hold both)."""
     memo: dict[str, object] = field(default_factory=dict, repr=False)
     """Work that depends on this metadata alone, done by a backend in the first layer and
-    reused by the others (the torch backend's split of the rows by schedule)."""
+    reused by the others (the torch backend's split of the rows by schedule, the Triton
+    backend's launches)."""
 
     @property
     def any_canonical(self) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sid.kernels.paged_attention import CANONICAL_CONFIG, paged_attention
+from sid.kernels.paged_attention import CANONICAL_CONFIG, plan_attention, run_attention
 from sid.kernels.rotary import rope_and_store
 from sid.model.layers import QKRope
 from sid.runtime.attention import AttentionBackend, AttentionMetadata
@@ -46,25 +46,17 @@ class TritonAttentionBackend(AttentionBackend):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Prompt chunks read their own keys from ``k``/``v`` (contiguous rows), the cached
-        prefix through the block table."""
-        return paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_start_loc,
-            scale,
-            canonical=meta.canonical,
-            out=out,
-            max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_seq_len,
-            schedules=meta.schedules,
-            k=k,
-            v=v,
-            num_decodes=meta.num_decodes,
-            part_schedules=meta.part_schedules,
-        )
+        prefix through the block table. The launches are planned in the step's first layer
+        and replayed by the others (``AttentionPlan``)."""
+        plan = meta.memo.get(self.name)
+        if plan is None:
+            plan = meta.memo[self.name] = plan_attention(
+                q, k_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, canonical=meta.canonical,
+                max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, schedules=meta.schedules,
+                own_keys=k is not None and v is not None, num_decodes=meta.num_decodes,
+                part_schedules=meta.part_schedules,
+            )  # fmt: skip
+        return run_attention(plan, q, k_cache, v_cache, scale, out=out, k=k, v=v)
 
     def canonical_config(self) -> dict[str, object]:
         return {"backend": self.name, **CANONICAL_CONFIG}
