@@ -1281,7 +1281,6 @@ class AttentionPlan(NamedTuple):
     slots: int
     own_keys: bool
     """Prompt launches read the pass's own keys from ``k``/``v`` (``run_attention``)."""
-    num_tokens: int
 
 
 def plan_attention(
@@ -1307,7 +1306,7 @@ def plan_attention(
     group = num_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0:
-        return AttentionPlan((), (_unused_partials(q.device),) * 3, 1, False, 0)
+        return AttentionPlan((), (_unused_partials(q.device),) * 3, 1, False)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     if max_query_len is None:
@@ -1367,7 +1366,7 @@ def plan_attention(
                 launches.append(_Launch(rows, canon, _SERVE_CANONICAL, programs[canon], splits, beside))
             if fast is not None:
                 launches.append(_Launch(rows, fast, _SERVE_FAST, programs[fast], splits))
-    return AttentionPlan(tuple(launches), partials, slots, own_keys, num_tokens)
+    return AttentionPlan(tuple(launches), partials, slots, own_keys)
 
 
 def run_attention(
