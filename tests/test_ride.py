@@ -189,7 +189,9 @@ def test_a_one_call_proven_path_runs_every_row_of_a_mixed_pass(monkeypatch: pyte
     for canonical, expected in (([3, 40, 299], [(proven, 300)]), ([], [(fast, 300)])):
         flags = np.zeros(300, dtype=bool)
         flags[canonical] = True
-        gemms.select(True, gemms.split_of(flags, x.device))
+        split = gemms.split_of(flags, x.device)
+        assert (split is None) == bool(canonical)  # no bounded path: nothing to split, no row index uploaded
+        gemms.select(True, split)
         calls.clear()
         out = gemms.linear(x, w)
         assert calls == expected

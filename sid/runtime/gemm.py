@@ -207,8 +207,9 @@ class Gemms:
 
     def split_of(self, flags: np.ndarray, device: torch.device) -> RowSplit | None:
         """The split of a pass's rows into those whose boolean ``flags`` say canonical and the
-        others; None when every row is canonical, so each GEMM runs them all in one call."""
-        if flags.all():
+        others; None when every GEMM runs them all in one call: every row is canonical, or
+        some are and no proven path is bounded (a GPU's), so no row index is uploaded."""
+        if flags.all() or (flags.any() and not any(p.bounded for p in (self.invariant or {}).values())):
             return None
         assert self.sizes is not None, "a pass split its rows before any GEMM was proven"
         canonical = np.flatnonzero(flags)
