@@ -1263,7 +1263,12 @@ class _Launch(NamedTuple):
     splits: tuple[int, int, int]
     """What every launch over these rows reads: the fast programs, the canonical
     ``row_splits`` and the canonical programs."""
-    beside: bool = False
+    grid: tuple[int, int]
+    """Query blocks x KV heads."""
+    stages: int
+    fold_last: bool
+    """The programs fold their own partials (``_fold_if_last``), with no combine launch."""
+    beside: bool
     """On CUDA, run on the side stream beside the next launch (module doc)."""
 
 
@@ -1323,9 +1328,10 @@ def plan_attention(
     parts = [(any_fast, any_canonical)]
     if max_query_len > 1 and _DECODE_LAUNCH_FROM <= num_decodes < num_seqs:
         d = num_decodes
+        rest = (block_tables[d:], seq_lens[d:], query_start_loc[d:], flags[d:])
         kinds = [
             _Rows(d, 1, block_tables[:d], seq_lens[:d], query_start_loc[: d + 1], flags[:d], False),
-            _Rows(num_tokens - d, max_query_len, block_tables[d:], seq_lens[d:], query_start_loc[d:], flags[d:], own_keys),
+            _Rows(num_tokens - d, max_query_len, *rest, own_keys),
         ]
         if isinstance(canonical, torch.Tensor) and part_schedules is not None:
             parts = list(part_schedules)
@@ -1356,16 +1362,27 @@ def plan_attention(
             canon.row_splits if canon is not None else 0,
             programs[canon] if canon is not None else 1,
         )
+
+        def launch(sched: _Schedule, serve: int, n: int, beside: bool = False) -> _Launch:
+            # A decode launch's sequences have one row each: a block a sequence (``_block_rows``).
+            blocks = rows.num_tokens // (sched.block_m // group) + 2 * rows.seq_lens.shape[0]
+            grid = (rows.seq_lens.shape[0] if not sched.prompt else blocks, num_kv_heads)
+            # A decode launch's programs fold their own partials (``_fold_if_last``); a prompt
+            # launch's combine spreads a block's 128 rows over more programs (``_launch``).
+            fold_last = n > 1 and not sched.prompt and grid[0] * grid[1] <= _TICKETS
+            stages = _stages(sched, k_cache.element_size())
+            return _Launch(rows, sched, serve, n, splits, grid, stages, fold_last, beside)
+
         if fast is not None and canon is not None and _constants(fast) == _constants(canon):
             # One launch serves both (module doc): as many programs along the keys as either needs.
-            launches.append(_Launch(rows, canon, _SERVE_BOTH, max(programs[fast], programs[canon]), splits))
+            launches.append(launch(canon, _SERVE_BOTH, max(programs[fast], programs[canon])))
         else:
             # The canonical launch first, beside the fast one on CUDA (module doc).
             beside = fast is not None and q.device.type == "cuda"
             if canon is not None:
-                launches.append(_Launch(rows, canon, _SERVE_CANONICAL, programs[canon], splits, beside))
+                launches.append(launch(canon, _SERVE_CANONICAL, programs[canon], beside))
             if fast is not None:
-                launches.append(_Launch(rows, fast, _SERVE_FAST, programs[fast], splits))
+                launches.append(launch(fast, _SERVE_FAST, programs[fast]))
     return AttentionPlan(tuple(launches), partials, slots, own_keys)
 
 
@@ -1442,7 +1459,8 @@ def _launch(batch: _Batch, launch: _Launch) -> None:
     one batch, so one ``min_keys``."""
     q, k_cache, v_cache, out, (part_acc, part_max, part_sum) = batch[:5]
     rows, sched, serve, programs, (fast_programs, canonical_row_splits, canonical_programs) = launch[:5]
-    num_tokens, _, block_tables, seq_lens, query_start_loc, flags, own_keys = rows
+    _, _, block_tables, seq_lens, query_start_loc, flags, own_keys = rows
+    grid, stages, fold_last = launch.grid, launch.stages, launch.fold_last
     k, v = (batch.k, batch.v) if own_keys else (None, None)
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     block_size, head_dim, slots = k_cache.shape[1], q.shape[2], batch.slots
@@ -1450,18 +1468,12 @@ def _launch(batch: _Batch, launch: _Launch) -> None:
     canonical_split = CANONICAL_CONFIG["kv_split"]
     block_q = sched.block_m // group
     dim = max(16, _next_power_of_2(head_dim))
-    # A decode launch's sequences have one row each: a block a sequence (``_block_rows``).
-    grid = (num_seqs if not sched.prompt else num_tokens // block_q + 2 * num_seqs, num_kv_heads)
     # Both schedules read the pass's own keys through descriptors (the canonical prompt launch:
     # 1 x 8,192 1,203 us against 1,265 with plain loads, 8 x 2,048 827 against 845, the same
     # bits; H200, Qwen3-0.6B heads, 2026-12-02).
     use_tma = k is not None
     k_desc, v_desc = _tensor_descriptors(k, v, sched.kv_tile, head_dim) if use_tma else (None, None)
     new_strides = (*k.stride(), *v.stride()) if k is not None else (0,) * 6
-    stages = _stages(sched, k_cache.element_size())
-    # A decode launch's programs fold their own partials (``_fold_if_last``); a prompt
-    # launch's combine spreads a block's 128 rows over more programs (below).
-    fold_last = programs > 1 and not sched.prompt and grid[0] * grid[1] <= _TICKETS
     _attention_kernel[(*grid, programs)](
         q,
         k_cache,
