@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from triton.compiler.compiler import CompiledKernel
 
 from sid.kernels import attention_ref
 from sid.kernels import paged_attention as attention
@@ -32,6 +33,7 @@ from sid.kernels.attention_ref import (
     store_kv_ref,
 )
 from sid.kernels.kv_store import store_kv
+from sid.kernels.launch import Relaunch
 from sid.runtime import triton_backend
 from sid.runtime.attention import AttentionMetadata, TorchAttentionBackend
 from sid.runtime.triton_backend import TritonAttentionBackend
@@ -672,12 +674,69 @@ def test_one_plan_serves_every_layer_of_a_step(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(triton_backend, "plan_attention", lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1])
     backend = TritonAttentionBackend()
     gen = torch.Generator().manual_seed(5)
-    for layer_q, scale in ((q, 0.125), (torch.randn(q.shape, generator=gen).to(q), 0.3), (q, 0.125)):
+    for layer_q, scale in ((q, 0.125), (torch.randn(q.shape, generator=gen).to(q), 0.125), (q, 0.3)):
         got = backend.attend(layer_q, k_cache, v_cache, meta, scale, **kv)
         alone = attention.paged_attention(layer_q, k_cache, v_cache, tables, seq_lens, starts, scale, canonical=flags,
                                           **sizes, **kv)  # fmt: skip
         assert torch.equal(got, alone)
     assert len(plans) == 1 and plans[0].slots > 1  # planned once; its rows split, so the partials are shared
+    # Compiled, the second layer launches the first layer's kernels directly (``Relaunch``); the
+    # third one's scale differs, so only its combines do. The interpreter keeps no compiled kernel.
+    combines = sum(one.combine is not None for one in plans[0].launches)
+    direct = len(plans[0].launches) + 2 * combines if DEVICE.type == "cuda" else 0
+    assert sum(one.relaunch.direct for one in plans[0].launches) == direct
+
+
+class _Compiled(CompiledKernel):
+    """Stands in for a compiled kernel: records the launches made through it."""
+
+    def __init__(self, launches: list[tuple[str, tuple[int, ...], tuple[Any, ...]]]) -> None:
+        self.launches = launches
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        return lambda *args: self.launches.append(("direct", grid, args))
+
+
+class _Jit:
+    """Stands in for a JIT kernel of parameters ``a, b, n, C``: a JIT call returns a new compiled kernel."""
+
+    arg_names = ["a", "b", "n", "C"]
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[str, tuple[int, ...], tuple[Any, ...]]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., _Compiled]:
+        def call(*args: Any, **constants: Any) -> _Compiled:
+            self.launches.append(("jit", grid, (*args, *constants.values())))
+            return _Compiled(self.launches)
+
+        return call
+
+
+def test_relaunch_launches_directly_only_what_the_jit_call_would_have_chosen() -> None:
+    """``Relaunch`` runs a kernel a JIT call returned for later calls whose arguments specialise
+    alike, with the constants in parameter order; a call whose tensor alignment, dtype or other
+    value differs goes through the JIT call, and its kernel is then the one kept. (The compiled
+    path itself runs in the GPU tests: ``test_one_plan_serves_every_layer_of_a_step``.)"""
+    kernel, relaunch = _Jit(), Relaunch()
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    y = torch.zeros(64, dtype=torch.bfloat16)
+    relaunch(kernel, (2, 1), (x, None, 7), C=3, num_warps=4)
+    relaunch(kernel, (2, 1), (y, None, 7), C=3, num_warps=4)  # another tensor, alike
+    assert kernel.launches == [("jit", (2, 1), (x, None, 7, 3, 4)), ("direct", (2, 1), (y, None, 7, 3))]
+    assert relaunch.direct == 1
+    for args, constants in (
+        ((x[1:], None, 7), {"C": 3}),  # 2 bytes off 16-byte alignment
+        ((x.float(), None, 7), {"C": 3}),
+        ((x, None, 8), {"C": 3}),
+        ((x, y, 7), {"C": 3}),
+        ((x, None, 7), {"C": 4}),
+    ):
+        kernel.launches.clear()
+        relaunch(kernel, (2, 1), args, **constants, num_warps=4)
+        relaunch(kernel, (2, 1), args, **constants, num_warps=4)
+        assert [kind for kind, _, _ in kernel.launches] == ["jit", "direct"], (args, constants)
+    assert relaunch.direct == 6
 
 
 def test_canonical_bits_do_not_depend_on_how_splits_are_spread(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -97,6 +97,8 @@ import triton.language as tl
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from sid.kernels.launch import Relaunch
+
 CANONICAL_CONFIG: dict[str, int] = {
     "block_m": 16,
     "prefill_block_m": 128,
@@ -1251,6 +1253,18 @@ def paged_attention(
     return run_attention(plan, q, k_cache, v_cache, scale, out=out, k=k, v=v)
 
 
+class _Kernel(NamedTuple):
+    """One kernel launch as a plan prepares it: everything but the layer's own tensors."""
+
+    grid: tuple[int, int, int]
+    args: tuple
+    """The arguments from the partials on (the attention kernel: up to the scale, which each
+    layer passes, and ``after_scale`` the rest; the combine kernel: up to the output's strides)."""
+    constants: dict[str, object]
+    """Compile-time constants and launch options."""
+    after_scale: tuple = ()
+
+
 class _Launch(NamedTuple):
     """One kernel launch of a plan, and the combine of its partials."""
 
@@ -1260,16 +1274,24 @@ class _Launch(NamedTuple):
     """Which sequences' schedule it runs (``_SERVE_*``)."""
     programs: int
     """Programs per query block and KV head along the keys."""
-    splits: tuple[int, int, int]
-    """What every launch over these rows reads: the fast programs, the canonical
-    ``row_splits`` and the canonical programs."""
-    grid: tuple[int, int]
-    """Query blocks x KV heads."""
-    stages: int
     fold_last: bool
     """The programs fold their own partials (``_fold_if_last``), with no combine launch."""
     beside: bool
     """On CUDA, run on the side stream beside the next launch (module doc)."""
+    attention: _Kernel
+    combine: _Kernel | None
+    relaunch: Relaunch
+    """The kernels the step's first layer launched, for the other layers to launch directly."""
+
+
+class _Streams(NamedTuple):
+    """A step's stream, the side stream, and the events a layer forks to it and joins back on
+    (made once a step: each layer records them again)."""
+
+    main: torch.cuda.Stream
+    side: torch.cuda.Stream
+    forked: torch.cuda.Event
+    joined: torch.cuda.Event
 
 
 class AttentionPlan(NamedTuple):
@@ -1277,15 +1299,19 @@ class AttentionPlan(NamedTuple):
     layer of the step runs the same ones (``run_attention``), so the host plans once a step:
     a layer's host time went from 47 to 14 us in a fast prompt step and from 74 to 20 in a
     mixed one (a CPU, 100 decodes beside 8 prompts, the launches themselves stubbed out;
-    2026-12-04)."""
+    2026-12-04). The plan prepares each launch's arguments but the layer's own tensors
+    (``_prepare``), and the layers after the first launch the kernels it launched directly
+    (``Relaunch``), without Triton's JIT call. Its launches share one buffer of split states
+    for the combine, indexed by the step's rows: the layers reuse it one after another on the
+    stream."""
 
     launches: tuple[_Launch, ...]
-    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    """Split states for the combine (accumulators, maxima, sums), indexed by the step's rows;
-    the layers reuse them one after another on the stream."""
     slots: int
+    """Split states a row and head has room for in the shared buffer."""
     own_keys: bool
     """Prompt launches read the pass's own keys from ``k``/``v`` (``run_attention``)."""
+    streams: _Streams | None
+    """Where launches run beside each other, the streams and events they fork and join on."""
 
 
 def plan_attention(
@@ -1311,7 +1337,7 @@ def plan_attention(
     group = num_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0:
-        return AttentionPlan((), (_unused_partials(q.device),) * 3, 1, False)
+        return AttentionPlan((), 1, False, None)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     if max_query_len is None:
@@ -1368,10 +1394,10 @@ def plan_attention(
             blocks = rows.num_tokens // (sched.block_m // group) + 2 * rows.seq_lens.shape[0]
             grid = (rows.seq_lens.shape[0] if not sched.prompt else blocks, num_kv_heads)
             # A decode launch's programs fold their own partials (``_fold_if_last``); a prompt
-            # launch's combine spreads a block's 128 rows over more programs (``_launch``).
+            # launch's combine spreads a block's 128 rows over more programs (``_prepare``).
             fold_last = n > 1 and not sched.prompt and grid[0] * grid[1] <= _TICKETS
-            stages = _stages(sched, k_cache.element_size())
-            return _Launch(rows, sched, serve, n, splits, grid, stages, fold_last, beside)
+            attention, combine = _prepare(q, k_cache, rows, sched, serve, n, splits, grid, fold_last, partials, slots)
+            return _Launch(rows, sched, serve, n, fold_last, beside, attention, combine, Relaunch())
 
         if fast is not None and canon is not None and _constants(fast) == _constants(canon):
             # One launch serves both (module doc): as many programs along the keys as either needs.
@@ -1383,7 +1409,11 @@ def plan_attention(
                 launches.append(launch(canon, _SERVE_CANONICAL, programs[canon], beside))
             if fast is not None:
                 launches.append(launch(fast, _SERVE_FAST, programs[fast]))
-    return AttentionPlan(tuple(launches), partials, slots, own_keys)
+    streams = None
+    if any(one.beside for one in launches):
+        main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+        streams = _Streams(main, side, torch.cuda.Event(), torch.cuda.Event())
+    return AttentionPlan(tuple(launches), slots, own_keys, streams)
 
 
 def run_attention(
@@ -1398,7 +1428,8 @@ def run_attention(
     v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's ``paged_attention`` by ``plan`` (made for this step's metadata and ``q``'s
-    shape): ``q``, the layer's cache, and with ``plan.own_keys`` the layer's ``k``/``v``."""
+    shape, on the stream the layers run on): ``q``, the layer's cache, and with
+    ``plan.own_keys`` the layer's ``k``/``v``."""
     if out is None:
         out = torch.empty_like(q)
     if plan.own_keys:
@@ -1406,35 +1437,37 @@ def run_attention(
         assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, "k/v must have the cache's dtype"
     else:
         k = v = None
-    batch = _Batch(q, k_cache, v_cache, out, plan.partials, plan.slots, scale, k, v)
-    side = None
+    batch = _Batch(q, k_cache, v_cache, out, scale * 1.4426950408889634, k, v)
+    joining = False
     for launch in plan.launches:
         if launch.beside:
             # The join after the next launch orders every later use of ``out`` and of the
             # partials after both.
-            main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
-            side.wait_stream(main)
+            assert plan.streams is not None
+            main, side, forked, joined = plan.streams
+            forked.record(main)
+            side.wait_event(forked)
             with torch.cuda.stream(side):
                 _launch(batch, launch)
+            joining = True
             continue
         _launch(batch, launch)
-        if side is not None:
-            torch.cuda.current_stream(q.device).wait_stream(side)
-            side = None
+        if joining:
+            joined.record(side)
+            main.wait_event(joined)
+            joining = False
     return out
 
 
 class _Batch(NamedTuple):
-    """What every launch of one layer shares."""
+    """What every launch of one layer shares: the layer's own tensors."""
 
     q: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     out: torch.Tensor
-    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    """Split states for the combine (accumulators, maxima, sums), indexed by the step's rows."""
-    slots: int
-    scale: float
+    scale_log2: float
+    """The softmax scale times log2(e): the kernel takes exponents base 2."""
     k: torch.Tensor | None
     v: torch.Tensor | None
 
@@ -1453,107 +1486,88 @@ class _Rows(NamedTuple):
     """Keys from a sequence's first query row on come from the layer's ``k``/``v``."""
 
 
-def _launch(batch: _Batch, launch: _Launch) -> None:
-    """One attention launch over the sequences of ``launch.rows`` with the schedules in
-    ``launch.serve``, and the combine of their partials. A launch serving both schedules has
-    one batch, so one ``min_keys``."""
-    q, k_cache, v_cache, out, (part_acc, part_max, part_sum) = batch[:5]
-    rows, sched, serve, programs, (fast_programs, canonical_row_splits, canonical_programs) = launch[:5]
+def _prepare(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    rows: _Rows,
+    sched: _Schedule,
+    serve: int,
+    programs: int,
+    splits: tuple[int, int, int],
+    grid: tuple[int, int],
+    fold_last: bool,
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    slots: int,
+) -> tuple[_Kernel, _Kernel | None]:
+    """The attention launch over the sequences of ``rows`` with the schedules in ``serve``,
+    and the combine of its partials (None when there are none to fold), as every layer of the
+    step makes them: a launch serving both schedules has one batch, so one ``min_keys``."""
+    fast_programs, canonical_row_splits, canonical_programs = splits
     _, _, block_tables, seq_lens, query_start_loc, flags, own_keys = rows
-    grid, stages, fold_last = launch.grid, launch.stages, launch.fold_last
-    k, v = (batch.k, batch.v) if own_keys else (None, None)
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
-    block_size, head_dim, slots = k_cache.shape[1], q.shape[2], batch.slots
+    block_size, head_dim = k_cache.shape[1], q.shape[2]
     group = q.shape[1] // num_kv_heads
     canonical_split = CANONICAL_CONFIG["kv_split"]
     block_q = sched.block_m // group
     dim = max(16, _next_power_of_2(head_dim))
-    # Both schedules read the pass's own keys through descriptors (the canonical prompt launch:
-    # 1 x 8,192 1,203 us against 1,265 with plain loads, 8 x 2,048 827 against 845, the same
-    # bits; H200, Qwen3-0.6B heads, 2026-12-02).
-    use_tma = k is not None
-    k_desc, v_desc = _tensor_descriptors(k, v, sched.kv_tile, head_dim) if use_tma else (None, None)
-    new_strides = (*k.stride(), *v.stride()) if k is not None else (0,) * 6
-    _attention_kernel[(*grid, programs)](
-        q,
-        k_cache,
-        v_cache,
-        k,
-        v,
-        k_desc,
-        v_desc,
-        out,
-        part_acc,
-        part_max,
-        part_sum,
-        _tickets(q.device)[serve - 1],
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        flags,
-        batch.scale * 1.4426950408889634,
-        num_seqs,
-        serve,
-        fast_programs,
-        sched.min_keys,
-        canonical_split,
-        canonical_row_splits,
-        canonical_programs,
-        slots,
-        *q.stride(),
-        *out.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        *new_strides,
-        block_tables.stride(0),
-        BLOCK_SIZE=block_size,
-        GROUP=group,
-        BLOCK_M=sched.block_m,
-        BLOCK_Q=block_q,
-        TILE=sched.kv_tile,
-        HEAD_DIM=head_dim,
-        DIM=dim,
-        DOT_DTYPE=_dot_dtype(q),
-        FAST_PREFILL=sched.fast_prefill,
-        MATRIX_SUM=serve != _SERVE_FAST,
-        PROMPT=sched.prompt,
-        STAGES=stages,
-        FOLD_LAST=fold_last,
-        FOLD_ROWS=_next_power_of_2(group),
-        PREFETCH=_FOLD_PREFETCH,
-        INTERPRET=knobs.runtime.interpret,
-        num_warps=sched.num_warps,
-        num_stages=stages,
+    stages = _stages(sched, k_cache.element_size())
+    sequences = (seq_lens, query_start_loc, flags, num_seqs, serve, fast_programs, sched.min_keys)
+    rest = (canonical_split, canonical_row_splits, canonical_programs, slots)
+    shape = dict(GROUP=group, BLOCK_M=sched.block_m, BLOCK_Q=block_q, TILE=sched.kv_tile, HEAD_DIM=head_dim, DIM=dim)
+    attention = _Kernel(
+        (*grid, programs),
+        (*partials, _tickets(q.device)[serve - 1], block_tables, *sequences[:3]),
+        dict(
+            BLOCK_SIZE=block_size,
+            **shape,
+            DOT_DTYPE=_dot_dtype(q),
+            FAST_PREFILL=sched.fast_prefill,
+            MATRIX_SUM=serve != _SERVE_FAST,
+            PROMPT=sched.prompt,
+            STAGES=stages,
+            FOLD_LAST=fold_last,
+            FOLD_ROWS=_next_power_of_2(group),
+            PREFETCH=_FOLD_PREFETCH,
+            INTERPRET=knobs.runtime.interpret,
+            num_warps=sched.num_warps,
+            num_stages=stages,
+        ),
+        (*sequences[3:], *rest),
     )
-    if programs > 1 and not fold_last:  # partials to fold
-        # A 128-row prompt block's program folds a slice of the head's dimensions: all 128 in
-        # float32 on four warps spilled (ptxas, sm_90a: 824 bytes a thread).
-        dims = min(dim, _COMBINE_DIMS) if sched.prompt else dim
-        _combine_kernel[(*grid, _cdiv(dim, dims))](
-            out,
-            part_acc,
-            part_max,
-            part_sum,
-            seq_lens,
-            query_start_loc,
-            flags,
-            num_seqs,
-            serve,
-            fast_programs,
-            sched.min_keys,
-            canonical_split,
-            canonical_row_splits,
-            canonical_programs,
-            slots,
-            *out.stride(),
-            GROUP=group,
-            BLOCK_M=sched.block_m,
-            BLOCK_Q=block_q,
-            TILE=sched.kv_tile,
-            HEAD_DIM=head_dim,
-            DIM=dim,
+    if programs == 1 or fold_last:
+        return attention, None
+    # A 128-row prompt block's program folds a slice of the head's dimensions: all 128 in
+    # float32 on four warps spilled (ptxas, sm_90a: 824 bytes a thread).
+    dims = min(dim, _COMBINE_DIMS) if sched.prompt else dim
+    combine = _Kernel(
+        (*grid, _cdiv(dim, dims)),
+        (*partials, *sequences, *rest),
+        dict(
+            **shape,
             DIMS=dims,
             PROMPT=sched.prompt,
             PREFETCH=max(1, min(_COMBINE_PREFETCH, _COMBINE_PREFETCH_ELEMENTS // (sched.block_m * dims))),
             num_warps=_COMBINE_NUM_WARPS,
-        )
+        ),
+    )
+    return attention, combine
+
+
+def _launch(batch: _Batch, launch: _Launch) -> None:
+    """One layer's run of a plan's launch (``_prepare``): its tensors added to what the plan
+    prepared."""
+    q, k_cache, v_cache, out = batch[:4]
+    k, v = (batch.k, batch.v) if launch.rows.own_keys else (None, None)
+    # Both schedules read the pass's own keys through descriptors (the canonical prompt launch:
+    # 1 x 8,192 1,203 us against 1,265 with plain loads, 8 x 2,048 827 against 845, the same
+    # bits; H200, Qwen3-0.6B heads, 2026-12-02).
+    k_desc, v_desc = _tensor_descriptors(k, v, launch.sched.kv_tile, q.shape[2]) if k is not None else (None, None)
+    new_strides = (*k.stride(), *v.stride()) if k is not None else (0,) * 6
+    attention, combine = launch.attention, launch.combine
+    table_stride = launch.rows.block_tables.stride(0)
+    layer = (q, k_cache, v_cache, k, v, k_desc, v_desc, out)
+    strides = (*q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *new_strides, table_stride)
+    args = (*layer, *attention.args, batch.scale_log2, *attention.after_scale, *strides)
+    launch.relaunch(_attention_kernel, attention.grid, args, **attention.constants)
+    if combine is not None:
+        launch.relaunch(_combine_kernel, combine.grid, (out, *combine.args, *out.stride()), **combine.constants)
