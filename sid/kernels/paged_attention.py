@@ -195,7 +195,9 @@ _DECODE_LAUNCH_FROM = 16
 what it saves the GPU (H200, Qwen3-0.6B heads, a layer in a 16-call graph: 1 x 500 prompt
 rows beside 4 decodes of 700 keys 34.1 us in one launch and 32.7 in two, beside 8 of 300 keys
 18.1 and 22.0, beside 16 of 700 keys 67.3 and 42.5; the second launch adds 50-100 us of host
-time, which a small model's eager prompt step pays in full)."""
+time, which a small model's eager prompt step pays in full). Since a step's later layers launch
+directly (``Relaunch``), a launch costs them 17-44 us (2026-12-04); the threshold was not
+measured again."""
 _SERVE_FAST, _SERVE_CANONICAL = 1, 2
 """Bits of a launch's ``serve``: which sequences' schedule it runs."""
 _SERVE_BOTH = _SERVE_FAST | _SERVE_CANONICAL
