@@ -10,6 +10,7 @@
 #        host_profile_zero (the same at 0 %, for this code and the code in .carry/base)
 #        attention (the Triton kernels, both schedules, against the floors: decode, prefill, a chunk after a cached prefix)
 #        attention_timeline (each program of a batch-1 / batch-8 decode attention launch: its walk, the fold, the ends)
+#        attention_host (a prompt step's attention a layer: host time against GPU time, four compositions)
 #        attention_ab (this tree's kernels against a base's, bits and times in one process; AB_BASE names the
 #          base's file, made here: git show REV:sid/kernels/paged_attention.py > .carry/base_pa.py)
 #        gemm_paths (which GEMM path keeps a row's bits at every row count, per shape, and its cost)
@@ -85,6 +86,7 @@ step() {
     attention) run_step attention 400 python3 benchmarks/attention.py --out "$RES" ;;
     attention_ab) run_step attention_ab 300 python3 benchmarks/attention_ab.py --base-file "${AB_BASE:-.carry/base_pa.py}" --out "$RES" ;;
     attention_timeline) run_step attention_timeline 200 python3 benchmarks/attention_timeline.py --batches 1,8 --out "$RES" ;;
+    attention_host) run_step attention_host 120 python3 benchmarks/attention_host.py --out "$RES" ;;
     cost_qwen_tail) run_step cost_qwen_tail 400 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --workload lognormal --repeats "${REPEATS:-1}" $COST_ARGS --out "$RES/qwen_tail" ;;
     cost_llama_tail) run_step cost_llama_tail 500 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --workload lognormal --repeats "${REPEATS:-1}" $COST_ARGS --out "$RES/llama_tail" ;;
     cost_llama_base_recheck) run_step cost_llama_recheck 300 python3 benchmarks/determinism_cost.py --model llama-3.1-8b --fractions 0,0.02 --repeats 2 --out "$RES/llama_recheck" ;;
