@@ -1259,12 +1259,12 @@ class _Kernel(NamedTuple):
     """One kernel launch as a plan prepares it: everything but the layer's own tensors."""
 
     grid: tuple[int, int, int]
-    args: tuple
+    args: tuple[object, ...]
     """The arguments from the partials on (the attention kernel: up to the scale, which each
     layer passes, and ``after_scale`` the rest; the combine kernel: up to the output's strides)."""
     constants: dict[str, object]
     """Compile-time constants and launch options."""
-    after_scale: tuple = ()
+    after_scale: tuple[object, ...] = ()
 
 
 class _Launch(NamedTuple):
@@ -1274,10 +1274,6 @@ class _Launch(NamedTuple):
     sched: _Schedule
     serve: int
     """Which sequences' schedule it runs (``_SERVE_*``)."""
-    programs: int
-    """Programs per query block and KV head along the keys."""
-    fold_last: bool
-    """The programs fold their own partials (``_fold_if_last``), with no combine launch."""
     beside: bool
     """On CUDA, run on the side stream beside the next launch (module doc)."""
     attention: _Kernel
@@ -1399,7 +1395,7 @@ def plan_attention(
             # launch's combine spreads a block's 128 rows over more programs (``_prepare``).
             fold_last = n > 1 and not sched.prompt and grid[0] * grid[1] <= _TICKETS
             attention, combine = _prepare(q, k_cache, rows, sched, serve, n, splits, grid, fold_last, partials, slots)
-            return _Launch(rows, sched, serve, n, fold_last, beside, attention, combine, Relaunch())
+            return _Launch(rows, sched, serve, beside, attention, combine, Relaunch())
 
         if fast is not None and canon is not None and _constants(fast) == _constants(canon):
             # One launch serves both (module doc): as many programs along the keys as either needs.
@@ -1502,8 +1498,10 @@ def _prepare(
     slots: int,
 ) -> tuple[_Kernel, _Kernel | None]:
     """The attention launch over the sequences of ``rows`` with the schedules in ``serve``,
-    and the combine of its partials (None when there are none to fold), as every layer of the
-    step makes them: a launch serving both schedules has one batch, so one ``min_keys``."""
+    ``programs`` per query block and KV head along the keys, and the combine of its partials
+    (None when there are none to fold, or with ``fold_last`` the programs fold their own,
+    ``_fold_if_last``), as every layer of the step makes them: a launch serving both schedules
+    has one batch, so one ``min_keys``."""
     fast_programs, canonical_row_splits, canonical_programs = splits
     _, _, block_tables, seq_lens, query_start_loc, flags, own_keys = rows
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
