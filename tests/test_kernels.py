@@ -721,8 +721,8 @@ def test_relaunch_launches_directly_only_what_the_jit_call_would_have_chosen() -
     kernel, relaunch = _Jit(), Relaunch()
     x = torch.zeros(64, dtype=torch.bfloat16)
     y = torch.zeros(64, dtype=torch.bfloat16)
-    relaunch(kernel, (2, 1), (x, None, 7), C=3, num_warps=4)
-    relaunch(kernel, (2, 1), (y, None, 7), C=3, num_warps=4)  # another tensor, alike
+    relaunch(kernel, (2, 1), (x, None, 7), {"C": 3, "num_warps": 4})
+    relaunch(kernel, (2, 1), (y, None, 7), {"C": 3, "num_warps": 4})  # another tensor, alike
     assert kernel.launches == [("jit", (2, 1), (x, None, 7, 3, 4)), ("direct", (2, 1), (y, None, 7, 3))]
     assert relaunch.direct == 1
     for args, constants in (
@@ -733,8 +733,8 @@ def test_relaunch_launches_directly_only_what_the_jit_call_would_have_chosen() -
         ((x, None, 7), {"C": 4}),
     ):
         kernel.launches.clear()
-        relaunch(kernel, (2, 1), args, **constants, num_warps=4)
-        relaunch(kernel, (2, 1), args, **constants, num_warps=4)
+        relaunch(kernel, (2, 1), args, {**constants, "num_warps": 4})
+        relaunch(kernel, (2, 1), args, {**constants, "num_warps": 4})
         assert [kind for kind, _, _ in kernel.launches] == ["jit", "direct"], (args, constants)
     assert relaunch.direct == 6
 

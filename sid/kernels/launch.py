@@ -51,7 +51,7 @@ class _Layout(NamedTuple):
             operator.itemgetter(*others) if len(others) > 1 else lambda args: tuple(args[i] for i in others),
         )
 
-    def key(self, args: Sequence[Any], constants: dict[str, Any]) -> tuple[Any, ...]:
+    def key(self, args: Sequence[Any]) -> tuple[Any, ...]:
         """What Triton specialises a kernel on, and more (module doc), of arguments whose types
         are ``types``."""
         descriptors = (args[i] for i in self.descriptors)
@@ -59,7 +59,6 @@ class _Layout(NamedTuple):
             self.others(args),
             tuple((args[i].dtype, args[i].data_ptr() % 16 == 0) for i in self.tensors),
             tuple((d.base.dtype, *d.shape, *d.strides, *d.block_shape) for d in descriptors),
-            tuple(constants.values()),
         )
 
 
@@ -67,6 +66,7 @@ class _Known(NamedTuple):
     """A kernel a JIT call returned, and the key of the arguments it serves."""
 
     compiled: CompiledKernel
+    constants: dict[str, Any]
     constexprs: tuple[Any, ...]
     """The constant arguments' values, in the kernel's parameter order after the others."""
     layout: _Layout
@@ -81,14 +81,17 @@ class Relaunch:
         self.direct = 0
         """Launches that skipped the JIT call (the tests read it)."""
 
-    def __call__(self, kernel: JITFunction, grid: tuple[int, ...], args: Sequence[Any], **constants: Any) -> None:
+    def __call__(
+        self, kernel: JITFunction, grid: tuple[int, ...], args: Sequence[Any], constants: dict[str, Any]
+    ) -> None:
         """``kernel[grid](*args, **constants)``: ``args`` the parameters passed by position,
         ``constants`` the rest (compile-time constants) and the launch options."""
         known = self._known.get(kernel)
         if (
             known is not None
+            and constants == known.constants
             and tuple(map(type, args)) == known.layout.types
-            and known.layout.key(args, constants) == known.key
+            and known.layout.key(args) == known.key
         ):
             known.compiled[grid](*args, *known.constexprs)
             self.direct += 1
@@ -98,4 +101,4 @@ class Relaunch:
             return
         layout = _Layout.of(args)
         constexprs = tuple(constants[name] for name in kernel.arg_names[len(args) :])
-        self._known[kernel] = _Known(compiled, constexprs, layout, layout.key(args, constants))
+        self._known[kernel] = _Known(compiled, dict(constants), constexprs, layout, layout.key(args))

@@ -1568,6 +1568,6 @@ def _launch(batch: _Batch, launch: _Launch) -> None:
     layer = (q, k_cache, v_cache, k, v, k_desc, v_desc, out)
     strides = (*q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *new_strides, table_stride)
     args = (*layer, *attention.args, batch.scale_log2, *attention.after_scale, *strides)
-    launch.relaunch(_attention_kernel, attention.grid, args, **attention.constants)
+    launch.relaunch(_attention_kernel, attention.grid, args, attention.constants)
     if combine is not None:
-        launch.relaunch(_combine_kernel, combine.grid, (out, *combine.args, *out.stride()), **combine.constants)
+        launch.relaunch(_combine_kernel, combine.grid, (out, *combine.args, *out.stride()), combine.constants)
