@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything Sid checks and measures on the H200, in one device call.
 #   usage (device tool, carry .carry): bash benchmarks/gpu_suite.sh [STEP ...]
-# Steps: tests throughput_qwen decode_roofline throughput_llama cost_qwen cost_qwen_m256 cost_llama cost_trained
+# Steps: tests (the engine's GPU tests, ~160 s) kernel_tests (the kernels' tests on the GPU: a new machine
+#        compiles every variant; 300 s did not cover the three files together)
+#        throughput_qwen decode_roofline throughput_llama cost_qwen cost_qwen_m256 cost_llama cost_trained
 #        canonical_sweep cost_swept (the cost with the sweep's best canonical attention constants)
 #        pass_invariance cost_qwen_m128 (canonical passes of 128 rows only)
 #        repro_trained repro_llama serve profile_qwen profile_qwen_lockstep profile_qwen_det profile_llama prefill prefill_qwen
@@ -52,7 +54,8 @@ run_step() {
 
 step() {
   case $1 in
-    tests) run_step tests 300 python3 -m pytest -q -x tests/test_gpu.py tests/test_kernels.py tests/test_layer_kernels.py ;;
+    tests) run_step tests 300 python3 -m pytest -q -x tests/test_gpu.py ;;
+    kernel_tests) run_step kernel_tests 540 python3 -m pytest -q -x tests/test_kernels.py tests/test_layer_kernels.py ;;
     throughput_qwen) run_step throughput_qwen 200 python3 benchmarks/throughput.py --model qwen3-0.6b --peer --lockstep --out "$RES" ;;
     throughput_llama) run_step throughput_llama 200 python3 benchmarks/throughput.py --model llama-3.1-8b --lockstep --out "$RES" ;;
     decode_roofline) run_step decode_roofline 200 python3 benchmarks/decode_roofline.py --model llama-3.1-8b --out "$RES" ;;
