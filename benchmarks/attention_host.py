@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 import sys
 import time
@@ -31,18 +30,15 @@ from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402  (after the interpreter switch)
-import triton.language as tl  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import attention as inputs  # noqa: E402  (switches the interpreter on off CUDA, before Triton's import)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from common import bench_device, parse_args, table, write_json  # noqa: E402
 
 from sid.kernels import paged_attention as attention  # noqa: E402
 
-BLOCK_SIZE = 16
 COMPOSITIONS: dict[str, Callable[[int, int], list[int]]] = {
     "fast": lambda decodes, prompts: [0] * (decodes + prompts),
     "decodes mixed": lambda decodes, prompts: [int(i % 10 == 0) for i in range(decodes)] + [0] * prompts,
@@ -87,30 +83,17 @@ def _gpu_us(fn: Callable[[], object], calls: int, device: torch.device) -> float
 
 class Step:
     """A prompt step's attention inputs: ``decodes`` one-row sequences of ``decode_keys`` keys,
-    then ``prompts`` fresh prompts of ``prompt_rows`` rows, in a shuffled paged cache."""
+    then ``prompts`` fresh prompts of ``prompt_rows`` rows, in a shuffled paged cache, the
+    step's own K/V stored (``benchmarks/attention.py``'s ``Step``)."""
 
     def __init__(self, heads: tuple[int, int, int], decodes: int, decode_keys: int, prompts: int, prompt_rows: int,
                  device: torch.device) -> None:  # fmt: skip
-        num_heads, kv_heads, head_dim = heads
-        gen = torch.Generator().manual_seed(0)
         q_lens = [1] * decodes + [prompt_rows] * prompts
         self.seq_lens = [decode_keys] * decodes + [prompt_rows] * prompts
-        blocks = [-(-n // BLOCK_SIZE) for n in self.seq_lens]
-        ids = torch.randperm(sum(blocks), generator=gen).to(torch.int32)
-        table = torch.zeros(len(blocks), max(blocks), dtype=torch.int32)
-        for i, (first, count) in enumerate(zip(torch.tensor([0, *blocks]).cumsum(0).tolist(), blocks)):
-            table[i, :count] = ids[first : first + count]
-        rows, dtype = sum(q_lens), torch.bfloat16
+        self.step = inputs.Step.random(*heads, self.seq_lens, q_lens, device)
+        self.step.store()
         self.decodes, self.max_query_len = decodes, max(q_lens)
-        self.q = torch.randn(rows, num_heads, head_dim, generator=gen).to(device, dtype)
-        self.k_cache = torch.randn(sum(blocks), BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(device, dtype)
-        self.v_cache = torch.randn_like(self.k_cache)
-        self.k = torch.randn(rows, kv_heads, head_dim, generator=gen).to(device, dtype)
-        self.v = torch.randn_like(self.k)
-        self.out = torch.empty_like(self.q)
-        self.tables = table.to(device)
-        self.lens = torch.tensor(self.seq_lens, dtype=torch.int32, device=device)
-        self.starts = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(device, torch.int32)
+        self.out = torch.empty_like(self.step.q)
 
     def planner(self, flags: list[int]) -> Callable[[], attention.AttentionPlan]:
         """The step's planning, as the Triton backend does it from the engine's metadata: the
@@ -118,16 +101,18 @@ class Step:
         def kinds(part: list[int]) -> tuple[bool, bool]:
             return 0 in part, 1 in part
 
-        canonical = torch.tensor(flags, dtype=torch.int32, device=self.q.device)
+        step = self.step
+        canonical = torch.tensor(flags, dtype=torch.int32, device=step.q.device)
         return functools.partial(
-            attention.plan_attention, self.q, self.k_cache, self.tables, self.lens, self.starts,
+            attention.plan_attention, step.q, step.k_cache, step.table, step.seq_lens, step.query_start_loc,
             canonical=canonical, max_query_len=self.max_query_len, max_seq_len=max(self.seq_lens),
             schedules=kinds(flags), own_keys=True, num_decodes=self.decodes,
             part_schedules=(kinds(flags[: self.decodes]), kinds(flags[self.decodes :])),
         )  # fmt: skip
 
     def layer(self, plan: attention.AttentionPlan) -> None:
-        attention.run_attention(plan, self.q, self.k_cache, self.v_cache, 0.088, out=self.out, k=self.k, v=self.v)
+        step = self.step
+        attention.run_attention(plan, step.q, step.k_cache, step.v_cache, 0.088, out=self.out, k=step.key, v=step.value)
 
 
 def main() -> None:
@@ -142,6 +127,7 @@ def main() -> None:
     args = parse_args(ap, smoke=dict(heads="4,2,32", layers=1, decodes=17, decode_keys=40, prompts=2,
                                      prompt_rows=24, rounds=1))  # fmt: skip
     device = bench_device(args)
+    torch.manual_seed(0)
     heads = tuple(int(x) for x in args.heads.split(","))
     step = Step(heads, args.decodes, args.decode_keys, args.prompts, args.prompt_rows, device)  # type: ignore[arg-type]
     rows = []
