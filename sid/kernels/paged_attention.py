@@ -1511,12 +1511,14 @@ def _prepare(
     block_q = sched.block_m // group
     dim = max(16, _next_power_of_2(head_dim))
     stages = _stages(sched, k_cache.element_size())
-    sequences = (seq_lens, query_start_loc, flags, num_seqs, serve, fast_programs, sched.min_keys)
-    rest = (canonical_split, canonical_row_splits, canonical_programs, slots)
+    metadata = (seq_lens, query_start_loc, flags)
+    # What ``_sequence_schedule`` reads to give each sequence its schedule, and the partials' slots.
+    schedule_args = (num_seqs, serve, fast_programs, sched.min_keys, canonical_split, canonical_row_splits,
+                     canonical_programs, slots)  # fmt: skip
     shape = dict(GROUP=group, BLOCK_M=sched.block_m, BLOCK_Q=block_q, TILE=sched.kv_tile, HEAD_DIM=head_dim, DIM=dim)
     attention = _Kernel(
         (*grid, programs),
-        (*partials, _tickets(q.device)[serve - 1], block_tables, *sequences[:3]),
+        (*partials, _tickets(q.device)[serve - 1], block_tables, *metadata),
         dict(
             BLOCK_SIZE=block_size,
             **shape,
@@ -1532,7 +1534,7 @@ def _prepare(
             num_warps=sched.num_warps,
             num_stages=stages,
         ),
-        (*sequences[3:], *rest),
+        schedule_args,
     )
     if programs == 1 or fold_last:
         return attention, None
@@ -1541,7 +1543,7 @@ def _prepare(
     dims = min(dim, _COMBINE_DIMS) if sched.prompt else dim
     combine = _Kernel(
         (*grid, _cdiv(dim, dims)),
-        (*partials, *sequences, *rest),
+        (*partials, *metadata, *schedule_args),
         dict(
             **shape,
             DIMS=dims,
