@@ -42,18 +42,22 @@ the splits were spread over programs: the spread (``group``) is free to follow t
 
 A mixed decode batch is one launch: the two schedules' decode constants (block shape, tile,
 warps, stages) are the same, each sequence reads its own split size and group, and the launch
-is compiled with the canonical row sum (``MATRIX_SUM``, a compile-time constant), which the
-fast rows then take too (they promise no bits). A second launch beside the first cost a
-riding Qwen3-0.6B decode step 0.28-0.34 ms (28 layers; H200, whole-step graphs, batch 16 /
-64 / 256: +14 / +10 / +5 %) even with no canonical row, where the proven GEMMs cost nothing
-(2026-12-02). A mixed batch with prompt rows, whose schedules differ in block shape and
-arithmetic, launches them separately, each skipping the other's sequences. A step's decodes
-beside prompt rows (its first sequences, ``num_decodes``) get a decode-shaped launch of their
-own, whose one launch serves both schedules, and the prompt launches cover the sequences
-after them: in a 128-row prompt block a decode row costs a block's work. On CUDA the
-canonical launch goes first, on a side stream, and runs beside the fast one: a few canonical
-sequences are a latency-bound tail when a full batch gives each one program for all its
-splits, and after the fast launch that tail added its whole length.
+is compiled with the canonical row sum (``MATRIX_SUM``, a compile-time constant), which each
+decode program takes or skips by its sequence's flag, a branch around the row sum alone (fast
+rows keep ``tl.sum``). On the H200 (Llama-3.1-8B heads, 200-1,500 keys, 2026-12-04) that
+branch made a launch of 64 / 256 rows with no canonical row 8 / 6 % quicker than the launch
+compiled with the matrix-unit sum for every row, and 3-4 % quicker than a fast-only launch;
+with every row canonical 6 / 5 % quicker; one or eight rows of 8,192 keys 3-6 % slower. A
+second launch beside the first cost a riding Qwen3-0.6B decode step 0.28-0.34 ms (28 layers;
+H200, whole-step graphs, batch 16 / 64 / 256: +14 / +10 / +5 %) even with no canonical row,
+where the proven GEMMs cost nothing (2026-12-02). A mixed batch with prompt rows, whose
+schedules differ in block shape and arithmetic, launches them separately, each skipping the
+other's sequences. A step's decodes beside prompt rows (its first sequences, ``num_decodes``)
+get a decode-shaped launch of their own, whose one launch serves both schedules, and the
+prompt launches cover the sequences after them: in a 128-row prompt block a decode row costs a
+block's work. On CUDA the canonical launch goes first, on a side stream, and runs beside the
+fast one: a few canonical sequences are a latency-bound tail when a full batch gives each one
+program for all its splits, and after the fast launch that tail added its whole length.
 
 Steps with prompt rows (the prefill work):
 
@@ -383,8 +387,7 @@ def _row_sum(weights, precision: tl.constexpr):
     ``tl.sum`` adds in an order set by how the block's layout spreads a row over threads,
     which differs between block shapes; the matrix unit adds a row's products in the same
     order in every shape, as it does for the weighted values. Its columns are equal, so their
-    maximum is the sum. Costs a decode row 5-10 % of its attention time (H200): fast decode
-    rows keep ``tl.sum``."""
+    maximum is the sum."""
     ones = tl.full([weights.shape[1], 16], 1.0, weights.dtype)
     return tl.max(tl.dot(weights, ones, input_precision=precision), 1)
 
@@ -405,12 +408,15 @@ def _softmax_step(
     MATRIX_SUM: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    canonical=True,
 ):
     """Fold one tile of keys (``k`` ``[DIM, TILE]``, ``v`` ``[TILE, DIM]``) into the rows' online
     softmax. ``MASKED``: the causal mask, needed only on tiles some row of the block cannot
-    see whole. The fast prefill schedule folds the scale into the exponent (one FMA a score);
-    every other launch keeps the canonical arithmetic, which a mask that hides nothing leaves
-    bit for bit the same."""
+    see whole. In a launch compiled with ``MATRIX_SUM``, ``canonical`` (the program's sequence
+    is; a run-time flag in decode launches) picks the matrix-unit row sum over ``tl.sum``. The
+    fast prefill schedule folds the scale into the exponent (one FMA a score); every other
+    launch keeps the canonical arithmetic, which a mask that hides nothing leaves bit for bit
+    the same."""
     precision: tl.constexpr = "ieee" if DOT_DTYPE == tl.float32 else "tf32"
     s = tl.dot(q, k.to(DOT_DTYPE), input_precision=precision)
     if FAST_PREFILL:
@@ -432,10 +438,12 @@ def _softmax_step(
         # program folds) keeps an empty state: no NaN from -inf - -inf.
         p = tl.exp2(s - tl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
     weights = p.to(DOT_DTYPE)
-    if MATRIX_SUM:
-        l_i = l_i * alpha + _row_sum(weights, precision)
+    exact = canonical if MATRIX_SUM else False
+    if exact:
+        tile_sum = _row_sum(weights, precision)
     else:
-        l_i = l_i * alpha + tl.sum(p, 1)
+        tile_sum = tl.sum(p, 1)
+    l_i = l_i * alpha + tile_sum
     acc = tl.dot(weights, v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=precision)
     return m_new, l_i, acc
 
@@ -615,7 +623,7 @@ def _decode_splits(
     q, pos, valid, table, k_cache_ptr, v_cache_ptr, first, end, split_size, kv_head, dims, dim_ok, qk_scale, kc, vc,
     partials, part,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, DIM: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    MATRIX_SUM: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+    MATRIX_SUM: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr, canonical,
 ):  # fmt: skip
     """A decode program's splits from ``first`` on, keys up to ``end`` (the kernel's), in one
     software-pipelined loop over their tiles (masked: a decode row's keys end inside its last
@@ -633,7 +641,7 @@ def _decode_splits(
             BLOCK_SIZE,
         )
         m_i, l_i, acc = _softmax_step(
-            q, k, v, keys, pos, m_i, l_i, acc, qk_scale, True, False, MATRIX_SUM, DOT_DTYPE, INTERPRET
+            q, k, v, keys, pos, m_i, l_i, acc, qk_scale, True, False, MATRIX_SUM, DOT_DTYPE, INTERPRET, canonical
         )
         if ((tile_start + TILE) % split_size == 0) | (tile_start + TILE >= end):
             m_f, l_f, acc_f = _finish_split(
@@ -745,11 +753,12 @@ def _attention_kernel(
     ``k_desc``/``v_desc`` (None: plain loads) TMA descriptors over them. ``FAST_PREFILL``: a
     fast launch with prompt rows, one split per program, so no fold state beside the split's.
     ``MATRIX_SUM``: the launch serves canonical sequences, whose rows sum their softmax weights
-    on the matrix unit (``_row_sum``); fast rows keep the cheaper ``tl.sum``. A constant, not a
-    per-sequence branch: two copies of the loop in one kernel made decode 1.3-1.7x slower
-    in both schedules (H200, 2026-12-01). ``FOLD_LAST``: the last program of a query block to
-    finish folds the block's partials (``_fold_if_last``, ``tickets_ptr``; ``FOLD_ROWS`` rows,
-    ``PREFETCH`` splits a step); otherwise ``_combine_kernel`` does.
+    on the matrix unit (``_row_sum``); fast rows keep the cheaper ``tl.sum``. A decode program
+    branches on its sequence's flag around that sum alone: two copies of the whole tile loop
+    in one kernel made decode 1.3-1.7x slower in both schedules (H200, 2026-12-01).
+    ``FOLD_LAST``: the last program of a query block to finish folds the block's partials
+    (``_fold_if_last``, ``tickets_ptr``; ``FOLD_ROWS`` rows, ``PREFETCH`` splits a step);
+    otherwise ``_combine_kernel`` does.
     """
     seq, done, token, head, valid, pos, last_pos = _block_rows(
         query_start_loc_ptr, seq_lens_ptr, num_seqs, GROUP, BLOCK_M, BLOCK_Q, not PROMPT, FAST_PREFILL
@@ -815,7 +824,7 @@ def _attention_kernel(
     else:
         m_f, l_f, acc_f = _decode_splits(
             q, pos, valid, table, k_cache_ptr, v_cache_ptr, first, end, split_size, kv_head, dims, dim_ok, qk_scale,
-            kc, vc, partials, part, BLOCK_SIZE, BLOCK_M, TILE, DIM, DOT_DTYPE, MATRIX_SUM, STAGES, INTERPRET,
+            kc, vc, partials, part, BLOCK_SIZE, BLOCK_M, TILE, DIM, DOT_DTYPE, MATRIX_SUM, STAGES, INTERPRET, canonical,
         )  # fmt: skip
     if first == 0:
         complete = pos // split_size < stop
