@@ -130,14 +130,14 @@ class EngineConfig:
     def canonical_sizes_for(self, device: torch.device, proven: bool) -> PassSizes:
         """The pass sizes that may carry deterministic rows.
 
-        With GEMMs ``proven`` row-invariant at every row count (``sid.runtime.gemm``), every
-        pass that carries a deterministic row is padded to one of these, so they reach from
-        ``M_canon`` = 1 past the step's token budget, 16 to each doubling. Otherwise they are
-        the canonical passes' sizes: ``M_canon`` = 128 rows on a GPU (a pass costs about one
-        decode step; cuBLASLt gives rows the bits of a 128-row pass at every size from 128 on,
-        not below) or 32 on a CPU, and larger passes carry prompts and whole steps in few
-        launches; on a GPU they are finely spaced, so a whole canonical step is padded about as
-        much as a fast-lane graph."""
+        With GEMMs ``proven`` row-invariant at every row count (``sid.runtime.gemm``), every pass
+        that carries a deterministic row is padded to one of these, so they reach from ``M_canon`` =
+        1 past the step's token budget, 16 to each doubling on a GPU and 8 on a CPU. Otherwise they
+        are the canonical passes' sizes: ``M_canon`` = 128 rows on a GPU (a pass costs about one
+        decode step; cuBLASLt gives rows the bits of a 128-row pass at every size from 128 on, not
+        below) or 32 on a CPU, and larger passes carry prompts and whole steps in few launches; on a
+        GPU they are finely spaced, so a whole canonical step is padded about as much as a fast-lane
+        graph."""
         cuda = device.type == "cuda"
         if proven:
             base = self.canonical_rows or 1

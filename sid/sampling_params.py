@@ -59,7 +59,7 @@ class SamplingParams:
             fail(f"n={self.n}: only n=1 is implemented")
         if self.max_tokens is not None:
             if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
-                fail(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+                fail(f"max_tokens must be an integer >= 0 (0 only with prompt_logprobs), got {self.max_tokens!r}")
             if self.max_tokens == 0 and self.prompt_logprobs is None:
                 fail("max_tokens=0 is allowed only with prompt_logprobs (scoring a prompt)")
         if not self.temperature >= 0.0:

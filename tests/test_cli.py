@@ -24,6 +24,26 @@ def test_generate_prints_the_completion(trained_model: Path) -> None:
     assert proc.stdout == "def main(" + expected.outputs[0].text + "\n"
 
 
+def test_generate_takes_every_determinism_strategy(trained_model: Path) -> None:
+    """Each strategy the engine knows is a choice on the command line; ``ride`` (bf16 on the CPU,
+    where the GEMMs prove row-invariant) gives the deterministic tokens the Python API gives."""
+    from sid import LLM, SamplingParams
+    from sid.engine.plan import STRATEGIES
+
+    expected = LLM(str(trained_model), dtype="bfloat16", num_kv_blocks=32, determinism_strategy="ride").generate(
+        "def main(", SamplingParams(max_tokens=8, temperature=0, deterministic=True), use_tqdm=False
+    )[0]
+    argv = [
+        "generate", "--model", str(trained_model), "--dtype", "bfloat16", "--deterministic", "--prompt", "def main("
+    ]
+    proc = run_cli(*argv, "--max-tokens", "8", "--determinism-strategy", "ride")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "def main(" + expected.outputs[0].text + "\n"
+    unknown = run_cli(*argv, "--determinism-strategy", "fastest")
+    assert unknown.returncode == 2
+    assert "invalid choice: 'fastest'" in unknown.stderr and all(name in unknown.stderr for name in STRATEGIES)
+
+
 def test_generate_reports_bad_input_clearly(tmp_path: Path) -> None:
     proc = run_cli("generate", "--model", str(tmp_path), "--prompt", "x")
     assert proc.returncode == 2

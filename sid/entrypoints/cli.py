@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from sid.engine.plan import STRATEGIES
+
 if TYPE_CHECKING:
     from sid.engine.router import RouterPolicy
 
@@ -55,18 +57,20 @@ def _add_engine_args(p: argparse.ArgumentParser, model_option: bool = True) -> N
     p.add_argument("--canonical-rows", type=int, default=None)
     p.add_argument(
         "--max-canonical-rows", type=int, default=None,
-        help="largest canonical pass (default: max-num-batched-tokens on GPU, 256 on CPU)",
+        help="largest pass that may carry deterministic rows (default: at least max-num-batched-tokens where the GEMMs "
+        "are proven row-invariant; otherwise max-num-batched-tokens on GPU, 8x canonical-rows on CPU)",
     )
     p.add_argument(
         "--canonical-sizes-per-octave", type=int, default=None,
-        help="canonical pass sizes per doubling above canonical-rows (default: 8 on GPU, 1 on CPU)",
+        help="pass sizes per doubling above canonical-rows (default: 16 on GPU, 8 on CPU where the GEMMs are proven "
+        "row-invariant; otherwise 8 on GPU, 1 on CPU)",
     )
     p.add_argument("--verify-window", type=int, default=8)
-    p.add_argument("--determinism-strategy", default="auto", choices=["auto", "speculate", "direct", "whole"])
+    p.add_argument("--determinism-strategy", default="auto", choices=STRATEGIES)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument(
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-        help="plan step N+1 while the GPU runs step N (default: on for one CUDA device)",
+        help="plan step N+1 while the GPU runs step N (default: on for CUDA devices)",
     )
 
 
@@ -126,7 +130,8 @@ def _replay(args: argparse.Namespace) -> int:
         result = replay(llm.llm_engine, record)
         failures += not result.match
         where = "" if result.match else f", first divergence at token {result.first_divergence}"
-        print(f"{result.request_id}: {'MATCH' if result.match else 'MISMATCH'} ({result.replayed_tokens} tokens{where})")
+        verdict = "MATCH" if result.match else "MISMATCH"
+        print(f"{result.request_id}: {verdict} ({result.replayed_tokens} tokens{where})")
         if args.json:
             print(json.dumps(asdict(result)))
     return 1 if failures else 0
@@ -208,7 +213,10 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
     )
     engine = LLMEngine(
-        EngineConfig(model=model, seed=args.seed, router_policy=serve_router_policy(args), **_engine_kwargs(args))  # type: ignore[arg-type]
+        EngineConfig(
+            model=model, seed=args.seed, router_policy=serve_router_policy(args),
+            **_engine_kwargs(args),  # type: ignore[arg-type]
+        )
     )
     run_server(engine, settings, host=args.host, port=args.port, access_log=args.access_log)
     return 0
@@ -231,9 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--deterministic", action="store_true", help="serve through the canonical lane")
+    gen.add_argument(
+        "--deterministic", action="store_true",
+        help="ask for bit-identical output whatever else runs (a deterministic request)",
+    )
     gen.add_argument("--receipts", default=None, help="append a receipt of each deterministic response to FILE")
-    repro = sub.add_parser("repro", help="the repro experiment: one prompt, six batch compositions, normal vs deterministic")
+    repro = sub.add_parser(
+        "repro", help="the repro experiment: one prompt, six batch compositions, normal vs deterministic"
+    )
     _add_engine_args(repro)
     repro.add_argument("--prompt", default=None, help="target prompt (default: a fixed code prompt)")
     repro.add_argument("--max-tokens", type=_ranged(int, 1), default=48)
