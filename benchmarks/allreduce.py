@@ -45,7 +45,9 @@ from common import parse_args, table, write_json  # noqa: E402
 from sid.runtime.distributed import TPGroup, init_group  # noqa: E402
 
 METHODS = ("nccl", "gather_sum", "one_shot")
-for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+for _name, _value in (
+    ("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")
+):
     os.environ.setdefault(_name, _value)  # NVLink multicast stays off: it can take a shared host's GPUs down
 
 
@@ -181,7 +183,8 @@ def main() -> None:
             "iters": args.iters, "torch": torch.__version__}
     path = write_json("allreduce", {**meta, "rows": rows}, args.out)
     print(f"all-reduce of rows x {args.hidden} on {args.world_size} ranks ({args.device}), us a call")
-    print(table(rows, ["rows", "bytes", "method", "us", "of_nccl", "graphed", "same_bits", "exact", "close", "unavailable"]))
+    print(table(rows, ["rows", "bytes", "method", "us", "of_nccl", "graphed", "same_bits", "exact", "close",
+                       "unavailable"]))
     print(f"wrote {path}")
 
 

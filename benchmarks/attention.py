@@ -382,7 +382,7 @@ def time_prefill(
     from the step's K/V as the engine passes them."""
     elem = torch.finfo(DTYPE).bits // 8
     context = prefix + length
-    tokens, cached = seqs * length, seqs * context
+    cached = seqs * context
     step = Step.random(heads, kv_heads, head_dim, [context] * seqs, [length] * seqs, device)
     case = dict(kind="prefill", batch=seqs, context=length, prefix=prefix)
     rows = [

@@ -46,7 +46,9 @@ def shapes(pool: attention.Pool, heads: int, rows: int, offsets: tuple[int, ...]
     for offset in offsets:
         ctx = offset + rows
         out[f"prefill@{offset}"] = attention.batch_args(pool, [(pool.random_context(ctx), ctx, queries(rows))])
-    out["decode"] = attention.batch_args(pool, [(pool.random_context(context), context, queries(1)) for _ in range(rows)])
+    out["decode"] = attention.batch_args(
+        pool, [(pool.random_context(context), context, queries(1)) for _ in range(rows)]
+    )
     return out
 
 
@@ -73,7 +75,9 @@ def canonical_out(args: tuple, max_seq_len: int) -> torch.Tensor:
     return attend(args, True, max_seq_len, torch.full_like(args[0], float("nan")))
 
 
-def candidates(smoke: bool, block_ms: list[int], tiles: list[int], splits: list[int], warps: list[int]) -> list[dict[str, int]]:
+def candidates(
+    smoke: bool, block_ms: list[int], tiles: list[int], splits: list[int], warps: list[int]
+) -> list[dict[str, int]]:
     if smoke:
         return [dict(pa.CANONICAL_CONFIG), {**pa.CANONICAL_CONFIG, "kv_split": 2 * pa.CANONICAL_CONFIG["kv_split"]}]
     grid = itertools.product(block_ms, tiles, splits, warps)
@@ -112,7 +116,8 @@ def main() -> None:
     fast = {(m, s): time_shape(a, False, args.max_seq_len, args.smoke) for m, cases in per_model.items()
             for s, a in cases.items()}
     reference = {(m, s): canonical_out(a, args.max_seq_len) for m, cases in per_model.items() for s, a in cases.items()}
-    for cfg in candidates(args.smoke, _ints(args.block_m), _ints(args.kv_tile), _ints(args.kv_split), _ints(args.num_warps)):
+    for cfg in candidates(args.smoke, _ints(args.block_m), _ints(args.kv_tile), _ints(args.kv_split),
+                          _ints(args.num_warps)):
         pa.CANONICAL_CONFIG.clear()
         pa.CANONICAL_CONFIG.update(cfg)
         row = {**cfg, "differ": 0}
@@ -137,9 +142,11 @@ def main() -> None:
               "rows": rows, "bit_identity_checks": checks}
     path = write_json("canonical_sweep", result, args.out)
     (path.parent / "canonical_best.json").write_text(json.dumps(best))
-    cols = ["block_m", "kv_tile", "kv_split", "num_warps", *[k for k in rows[0] if ":" in k], "mean_ratio", "worst_ratio", "differ"]
+    cols = ["block_m", "kv_tile", "kv_split", "num_warps", *[k for k in rows[0] if ":" in k], "mean_ratio",
+            "worst_ratio", "differ"]
     print(table(rows[:8] + ([current] if current not in rows[:8] else []), cols))
-    print(f"canonical/fast time ratio; best {best} (mean {rows[0]['mean_ratio']:.2f}, worst {rows[0]['worst_ratio']:.2f}) "
+    print(f"canonical/fast time ratio; best {best} "
+          f"(mean {rows[0]['mean_ratio']:.2f}, worst {rows[0]['worst_ratio']:.2f}) "
           f"vs default (mean {current['mean_ratio']:.2f}, worst {current['worst_ratio']:.2f}); wrote {path}")
 
 

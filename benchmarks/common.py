@@ -138,7 +138,9 @@ def lognormal_workload(
     def length(median: int, low: int) -> int:
         return max(low, min(max_len, round(rng.lognormvariate(math.log(median), sigma))))
 
-    return [([rng.randrange(vocab) for _ in range(length(median_prompt, 4))], length(median_output, 1)) for _ in range(n)]
+    return [
+        ([rng.randrange(vocab) for _ in range(length(median_prompt, 4))], length(median_output, 1)) for _ in range(n)
+    ]
 
 
 def device_time(fn: Callable[[], object], device: torch.device, iters: int = 20, warmup: int = 3) -> float:

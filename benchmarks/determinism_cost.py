@@ -122,7 +122,9 @@ def step_log(engine: LLMEngine, spent: dict[str, list[float]], trace: list[dict[
         del engine.step, engine.scheduler.schedule
 
 
-def run_once(llm: LLM, requests: list[tuple[list[int], int]], fraction: float, log_steps: bool = False) -> dict[str, float]:
+def run_once(
+    llm: LLM, requests: list[tuple[list[int], int]], fraction: float, log_steps: bool = False
+) -> dict[str, float]:
     rng = random.Random(1)
     flags = [rng.random() < fraction for _ in requests]
     params = [
@@ -174,7 +176,8 @@ def main() -> None:
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--dtype", default="auto", help="the engine's dtype (bfloat16 on a CPU: rows ride there too)")
     ap.add_argument("--canonical-rows", type=int, default=None)
-    ap.add_argument("--max-canonical-rows", type=int, default=None, help="largest canonical pass (default: the engine's)")
+    ap.add_argument("--max-canonical-rows", type=int, default=None,
+                    help="largest canonical pass (default: the engine's)")
     ap.add_argument("--verify-window", type=int, default=8)
     ap.add_argument("--canonical-config", default=None,
                     help="JSON file of canonical attention constants to run with (canonical_sweep.py writes one); "
@@ -206,7 +209,9 @@ def main() -> None:
     if args.workload == "uniform":
         requests = workload(args.requests, args.min_len, args.max_len, vocab)
     else:
-        requests = lognormal_workload(args.requests, args.median_prompt, args.median_output, args.sigma, args.max_len, vocab)
+        requests = lognormal_workload(
+            args.requests, args.median_prompt, args.median_output, args.sigma, args.max_len, vocab
+        )
     run_once(llm, requests, 0.5)  # warm-up: allocator, kernels, graphs
     fractions = [float(f) for f in args.fractions.split(",")]
     runs: dict[float, list[dict[str, float]]] = {f: [] for f in fractions}
@@ -238,7 +243,8 @@ def main() -> None:
         "workload": args.workload,
         "lengths": [args.min_len, args.max_len] if args.workload == "uniform" else
         {"median_prompt": args.median_prompt, "median_output": args.median_output, "sigma": args.sigma,
-         "max": args.max_len, "prompt_tokens": sum(len(p) for p, _ in requests), "output_tokens": sum(n for _, n in requests)},
+         "max": args.max_len, "prompt_tokens": sum(len(p) for p, _ in requests),
+         "output_tokens": sum(n for _, n in requests)},
         "fingerprint": engine.fingerprint,
         "determinism": llm.stats()["determinism"],
         "gemm_paths": llm.stats()["gemm_paths"],

@@ -79,7 +79,10 @@ def main() -> None:
     report: dict = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
-        "env": {k: os.environ.get(k) for k in ("CUBLAS_WORKSPACE_CONFIG", "TORCH_CUBLASLT_UNIFIED_WORKSPACE", "CUBLASLT_WORKSPACE_SIZE")},
+        "env": {
+            k: os.environ.get(k)
+            for k in ("CUBLAS_WORKSPACE_CONFIG", "TORCH_CUBLASLT_UNIFIED_WORKSPACE", "CUBLASLT_WORKSPACE_SIZE")
+        },
         "proof_sizes": len(sizes),
         "results": [],
     }

@@ -32,7 +32,9 @@ SKIP_STEPS = 4
 """Decode steps left out at the start of a run (the last prompt chunks' results arrive then)."""
 
 
-def decode_step_ms(engine: LLMEngine, batch: int, context: int, new_tokens: int, deterministic: bool) -> dict[str, float]:
+def decode_step_ms(
+    engine: LLMEngine, batch: int, context: int, new_tokens: int, deterministic: bool
+) -> dict[str, float]:
     """Median and mean ms of the run's decode steps, and how many there were."""
     rng = random.Random(batch * 7919 + context)
     vocab = engine.model_config.vocab_size

@@ -60,7 +60,9 @@ def check(out_f: int, in_f: int, base: int, sizes: list[int], rows: int, dev: to
             mismatched += int((got != ref[idx]).any(dim=1).sum())
         xm = x[:m].contiguous()
         ms = device_time(replayable(lambda: F.linear(xm, w), dev), dev) * 1e3
-        results.append({"M": m, "mismatched_rows": mismatched, "checked_rows": 3 * m, "ms": ms, "us_per_row": 1e3 * ms / m})
+        results.append(
+            {"M": m, "mismatched_rows": mismatched, "checked_rows": 3 * m, "ms": ms, "us_per_row": 1e3 * ms / m}
+        )
     return results
 
 
@@ -80,7 +82,8 @@ def main() -> None:
     rows_total = max(sizes) * 2
     report: dict = {"gpu": device_name(device), "torch": torch.__version__, "base": args.base,
                     "blas": str(torch.backends.cuda.preferred_blas_library()),
-                    "env": {k: os.environ.get(k) for k in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")}, "results": []}
+                    "env": {k: os.environ.get(k) for k in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")},
+                    "results": []}
     lines = []
     for name in args.model or GPU_PRESETS:
         for gemm, (out_f, in_f) in gemm_shapes(PRESETS[name]).items():
@@ -88,7 +91,8 @@ def main() -> None:
                 r = {"model": name, "gemm": f"{gemm} {in_f}->{out_f}", **r}
                 report["results"].append(r)
                 lines.append(r)
-                print(f"{name} {gemm} M={r['M']}: {r['mismatched_rows']}/{r['checked_rows']} rows differ, {r['ms']:.3f} ms", flush=True)
+                print(f"{name} {gemm} M={r['M']}: {r['mismatched_rows']}/{r['checked_rows']} rows differ, "
+                      f"{r['ms']:.3f} ms", flush=True)
     write_json("pass_invariance", report, args.out)
     print(table(lines, ["model", "gemm", "M", "mismatched_rows", "checked_rows", "ms", "us_per_row"]))
 

@@ -212,7 +212,8 @@ def sweep(url: str, prompts: list[list[int]], args: argparse.Namespace) -> tuple
                 if cls == "all" or 0 < fraction < 1:
                     rows.append({**run, "class": cls, **summary})
             if "det" in summaries and "normal" in summaries and 0 < fraction < 1:
-                ratios = {f"{m}_median": summaries["det"].get(f"{m}_median", 0) / summaries["normal"].get(f"{m}_median", 1)
+                ratios = {f"{m}_median": summaries["det"].get(f"{m}_median", 0)
+                          / summaries["normal"].get(f"{m}_median", 1)
                           for m in ("ttft", "tpot", "itl", "e2e")}
                 rows.append({**run, "class": "det/normal", **ratios})
             errors = sorted({r.error for r in results if r.error})

@@ -37,10 +37,14 @@ from sid.runtime.cuda_graphs import CUDAGraphs  # noqa: E402
 from sid.runtime.model_runner import ModelRunner  # noqa: E402
 
 
-def submit(engine: LLMEngine, requests: list[tuple[list[int], int]], tag: str, deterministic: float = 0.0) -> None:
+def submit(
+    engine: LLMEngine, requests: list[tuple[list[int], int]], tag: str, deterministic: float = 0.0
+) -> None:
     """Add the requests; the first ``deterministic`` share of them asks for determinism."""
     for i, (prompt, n) in enumerate(requests):
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, deterministic=i < deterministic * len(requests))
+        params = SamplingParams(
+            max_tokens=n, temperature=0.0, ignore_eos=True, deterministic=i < deterministic * len(requests)
+        )
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
 
 
@@ -125,7 +129,9 @@ def main() -> None:
               enable_determinism=args.deterministic > 0, async_scheduling=args.async_scheduling)
     engine = llm.llm_engine
     high = args.max_len
-    requests = [(p, args.new_tokens) for p, _ in workload(args.requests, min(100, high), high, engine.model_config.vocab_size)]
+    requests = [
+        (p, args.new_tokens) for p, _ in workload(args.requests, min(100, high), high, engine.model_config.vocab_size)
+    ]
     submit(engine, requests[:4], "warm")
     timed_steps(engine)
     submit(engine, requests, "timed", args.deterministic)
@@ -158,8 +164,10 @@ def main() -> None:
                      {**meta, "rows": rows, "kernels": kernel_rows, "steps": steps}, args.out)
     print(table(kernel_rows, ["kernel", "ms", "share"]))
     overlap = "overlapped" if engine.async_scheduling else "lockstep"
-    print(f"{args.model} ({overlap}): {args.requests} req x {args.new_tokens} new: {wall:.2f} s, {meta['output_tok_s']:.0f} out tok/s; "
-          f"under the profiler the GPU was busy {busy / 1e3:.2f} s of {profiled_wall:.2f} s ({meta['gpu_busy_share']:.0%})")
+    print(f"{args.model} ({overlap}): {args.requests} req x {args.new_tokens} new: {wall:.2f} s, "
+          f"{meta['output_tok_s']:.0f} out tok/s; "
+          f"under the profiler the GPU was busy {busy / 1e3:.2f} s of {profiled_wall:.2f} s "
+          f"({meta['gpu_busy_share']:.0%})")
     print("median ms per step:")
     print(table(rows, ["steps", "count", "total_s", "wall", "canonical_passes", *PHASES]))
     print(f"wrote {out}")

@@ -102,8 +102,10 @@ def main() -> None:
             "async_scheduling": engine.async_scheduling,
             "stats": engine.get_stats()}
     out = write_json(f"throughput_{Path(args.model or 'default').name}", {**meta, "rows": rows}, args.out)
-    print(f"{args.model or engine.config.model} on {meta['gpu'] or meta['device']} ({meta['dtype']}), {meta['kv_blocks']} KV blocks")
-    print(table(rows, ["engine", "workload", "seconds", "output_tok_s", "total_tok_s", "overlap_gain", "ratio_to_peer"]))
+    print(f"{args.model or engine.config.model} on {meta['gpu'] or meta['device']} ({meta['dtype']}), "
+          f"{meta['kv_blocks']} KV blocks")
+    print(table(rows, ["engine", "workload", "seconds", "output_tok_s", "total_tok_s", "overlap_gain",
+                       "ratio_to_peer"]))
     print(f"wrote {out}")
 
 

@@ -139,7 +139,8 @@ def main() -> None:
     store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
     read, write = os.pipe()
     here = str(Path(__file__).resolve().parent)
-    code = f"import sys; sys.path.insert(0, {here!r}); from tp_plan import worker; worker({store.port}, {read}, {args.iters})"
+    code = (f"import sys; sys.path.insert(0, {here!r}); "
+            f"from tp_plan import worker; worker({store.port}, {read}, {args.iters})")
     proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(read,))
     os.close(read)
     init_group(store, 0, 2, torch.device("cpu"), COLLECTIVE_TIMEOUT)

@@ -46,7 +46,9 @@ def run(trained_model: Path, overlap: bool, **kw: object) -> tuple[list[tuple], 
     return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs], llm
 
 
-@pytest.mark.parametrize("kv", [dict(num_kv_blocks=512), dict(num_kv_blocks=24, block_size=8)], ids=["roomy", "preempting"])
+@pytest.mark.parametrize(
+    "kv", [dict(num_kv_blocks=512), dict(num_kv_blocks=24, block_size=8)], ids=["roomy", "preempting"]
+)
 def test_overlap_gives_the_same_outputs_as_stepping_in_lockstep(trained_model: Path, kv: dict) -> None:
     """The trained model's confident greedy choices survive the fast lane's batch noise, so
     lockstep and overlapped runs must agree token for token, also when requests are preempted
@@ -92,7 +94,9 @@ def test_overlap_keeps_deterministic_bits_through_rollbacks(
         SamplingParams(max_tokens=32, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True, deterministic=True),
     ]
     crowd = [SamplingParams(max_tokens=10 + 3 * i, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)]
-    reference = LLM(str(trained_model), num_kv_blocks=256, async_scheduling=False).generate([PROMPT] * 2, det, use_tqdm=False)
+    reference = LLM(str(trained_model), num_kv_blocks=256, async_scheduling=False).generate(
+        [PROMPT] * 2, det, use_tqdm=False
+    )
     monkeypatch.setattr(FAULTS, "fast_lane_logit_noise", 3.0)
     llm = LLM(str(trained_model), num_kv_blocks=12, block_size=8, determinism_strategy=strategy, async_scheduling=True)
     outs = llm.generate([PROMPT, PROMPT, *PROMPTS[:4]], [*det, *crowd], use_tqdm=False)

@@ -55,7 +55,9 @@ def graphs_for(engine: LLMEngine, riding: bool = False, invariant_decode: bool =
     return graphs  # never captured on the CPU: ``replay`` computes what the graph would
 
 
-def run(engine: LLMEngine, chunks: list[ScheduledChunk], graphs: CUDAGraphs | None, canonical: bool) -> list[ChunkResult]:
+def run(
+    engine: LLMEngine, chunks: list[ScheduledChunk], graphs: CUDAGraphs | None, canonical: bool
+) -> list[ChunkResult]:
     engine.runner.graphs = graphs
     tables = engine.kv.block_table([c.request for c in chunks])
     return engine.runner.execute(chunks, tables, canonical=canonical, keep_logits=True)

@@ -99,7 +99,9 @@ def test_deterministic_output_equals_the_unperturbed_alone_run(
 ) -> None:
     llm = LLM(str(trained_model), num_kv_blocks=512)
     for key, params in (("greedy", det()), ("seeded", det(temperature=0.9, top_p=0.95, seed=5))):
-        outs = llm.generate([*CROWD[:2], PROMPT, *CROWD[2:]], [*crowd_params(2), params, *crowd_params(3)], use_tqdm=False)
+        outs = llm.generate(
+            [*CROWD[:2], PROMPT, *CROWD[2:]], [*crowd_params(2), params, *crowd_params(3)], use_tqdm=False
+        )
         assert outs[2].outputs[0].token_ids == reference[key], key
         assert outs[2].deterministic and not outs[0].deterministic
         assert outs[2].fingerprint == llm.llm_engine.fingerprint
@@ -124,9 +126,14 @@ def test_default_seed_is_documented_and_used(trained_model: Path) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["speculate", "direct", "whole"])
-def test_every_strategy_gives_the_same_bits(trained_model: Path, reference: dict, faults: object, strategy: str) -> None:
+def test_every_strategy_gives_the_same_bits(
+    trained_model: Path, reference: dict, faults: object, strategy: str
+) -> None:
     llm = LLM(str(trained_model), num_kv_blocks=512, determinism_strategy=strategy)
-    outs = llm.generate([PROMPT, PROMPT, *CROWD], [det(), det(temperature=0.9, top_p=0.95, seed=5), *crowd_params(len(CROWD))], use_tqdm=False)
+    outs = llm.generate(
+        [PROMPT, PROMPT, *CROWD], [det(), det(temperature=0.9, top_p=0.95, seed=5), *crowd_params(len(CROWD))],
+        use_tqdm=False
+    )
     assert outs[0].outputs[0].token_ids == reference["greedy"]
     assert outs[1].outputs[0].token_ids == reference["seeded"]
     stats = llm.llm_engine.get_stats()
@@ -224,7 +231,9 @@ def test_preemption_mid_window_keeps_the_output(trained_model: Path, reference: 
     assert all(len(o.outputs[0].token_ids) == 60 for o in outs[:4])
 
 
-def test_broken_row_independence_makes_the_self_test_refuse(trained_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_broken_row_independence_makes_the_self_test_refuse(
+    trained_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(FAULTS, "canonical_cross_row", 1e-3)
     with pytest.raises(DeterminismSelfTestError, match="not independent on this machine"):
         LLM(str(trained_model), num_kv_blocks=64)
@@ -256,7 +265,9 @@ def test_large_canonical_passes_give_the_bits_of_small_ones(trained_model: Path,
         llm = LLM(str(trained_model), num_kv_blocks=512, max_canonical_rows=largest, determinism_strategy="whole")
         assert llm.llm_engine.canonical.max == largest
         outs = llm.generate(prompts, params, use_tqdm=False)
-        seen.append([(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs, o.fingerprint) for o in outs[:2]])
+        seen.append(
+            [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs, o.fingerprint) for o in outs[:2]]
+        )
         passes.append(llm.llm_engine.get_stats()["canonical_passes"])
     assert seen[0] == seen[1]
     assert len(seen[0][0][2]) > 4 * 32  # the long prompt's logprobs came from the large passes too
@@ -305,7 +316,10 @@ def test_fingerprint_changes_with_the_numerics(trained_model: Path) -> None:
 
 def test_router_precedence() -> None:
     policy = RouterPolicy(
-        rules=(Rule(deterministic=True, api_key="audit"), Rule(deterministic=True, seeded=True), Rule(deterministic=False, user="bulk")),
+        rules=(
+            Rule(deterministic=True, api_key="audit"), Rule(deterministic=True, seeded=True),
+            Rule(deterministic=False, user="bulk")
+        ),
         default=False,
     )
     router = Router(policy)
@@ -324,5 +338,7 @@ def test_router_policy_routes_engine_requests(trained_model: Path, tmp_path: Pat
     policy = tmp_path / "router.json"
     policy.write_text(json.dumps({"rules": [{"deterministic": True, "greedy": True}], "default": False}))
     llm = LLM(str(trained_model), num_kv_blocks=64, router_policy=str(policy))
-    greedy, sampled = llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=4, temperature=0), SamplingParams(max_tokens=4)], use_tqdm=False)
+    greedy, sampled = llm.generate(
+        [PROMPT, PROMPT], [SamplingParams(max_tokens=4, temperature=0), SamplingParams(max_tokens=4)], use_tqdm=False
+    )
     assert greedy.deterministic and not sampled.deterministic

@@ -100,7 +100,9 @@ def test_stop_conditions(trained_model: Path) -> None:
     out = llm.generate("def main(", SamplingParams(max_tokens=40, temperature=0, stop=[stop]), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
     assert out.outputs[0].text == text[: text.index(stop)]
-    out = llm.generate("def main(", SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[ids[7]]), use_tqdm=False)[0]
+    out = llm.generate(
+        "def main(", SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[ids[7]]), use_tqdm=False
+    )[0]
     assert out.outputs[0].token_ids == ids[: ids.index(ids[7]) + 1]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == ids[7]
     out = llm.generate("def main(", SamplingParams(max_tokens=7, temperature=0), use_tqdm=False)[0]
@@ -114,7 +116,9 @@ def test_eos_stops_and_max_model_len_caps(trained_model: Path) -> None:
     assert out.outputs[0].finish_reason == "length"
     # Make a token the greedy run produces count as end-of-sequence for this engine.
     llm = LLM(str(trained_model), num_kv_blocks=64)
-    ids = llm.generate("def main(", SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0].token_ids
+    ids = llm.generate(
+        "def main(", SamplingParams(max_tokens=20, temperature=0), use_tqdm=False
+    )[0].outputs[0].token_ids
     llm.llm_engine.inputs.eos_token_ids = frozenset({ids[5]})
     out = llm.generate("def main(", SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == ids[: ids.index(ids[5]) + 1]

@@ -254,7 +254,10 @@ def test_missing_and_misshapen_weights_are_named(checkpoints: dict[str, Path], t
     src = checkpoints["llama"]
     weights = load_file(str(src / "model.safetensors"))
     missing = copy_model(src, tmp_path / "missing")
-    save_file({k: v for k, v in weights.items() if k != "model.layers.1.mlp.up_proj.weight"}, str(missing / "model.safetensors"))
+    save_file(
+        {k: v for k, v in weights.items() if k != "model.layers.1.mlp.up_proj.weight"},
+        str(missing / "model.safetensors")
+    )
     with pytest.raises(CheckpointError, match=r"lacks weights: model\.layers\.1\.mlp\.up_proj\.weight"):
         LLM(str(missing))
     bad = copy_model(src, tmp_path / "bad")

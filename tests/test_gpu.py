@@ -18,7 +18,9 @@ from tests.test_models import record_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU twins run in CI)")
 
-PROMPTS = ["def main(", "import numpy as np\n", "class Config:\n    def __init__(self", "    for i in range(", "# test\n"]
+PROMPTS = [
+    "def main(", "import numpy as np\n", "class Config:\n    def __init__(self", "    for i in range(", "# test\n"
+]
 
 
 def decoding_engine(trained_model: Path) -> LLM:
@@ -74,7 +76,9 @@ def test_deterministic_request_is_identical_alone_and_under_load_in_bf16(trained
     windowed = LLM(str(trained_model), determinism_strategy="speculate", gpu_memory_utilization=0.3)
     for strategy in ("speculate", "direct", "whole"):
         windowed.llm_engine.scheduler.windowed.strategy = strategy
-        outs = windowed.generate([*crowd[:30], PROMPTS[0], *crowd[30:]], [*params[:30], det, *params[30:]], use_tqdm=False)
+        outs = windowed.generate(
+            [*crowd[:30], PROMPTS[0], *crowd[30:]], [*params[:30], det, *params[30:]], use_tqdm=False
+        )
         assert (outs[30].outputs[0].token_ids, outs[30].outputs[0].logprobs, outs[30].fingerprint) == alone, strategy
     assert windowed.stats()["verifications"] > 0
 
@@ -149,7 +153,9 @@ def test_overlapped_scheduling_gives_the_lockstep_outputs(trained_model: Path) -
 def test_overlapped_deterministic_request_has_the_lockstep_bits_under_load(trained_model: Path) -> None:
     det = SamplingParams(max_tokens=48, temperature=0.8, seed=3, logprobs=2, ignore_eos=True, deterministic=True)
     crowd = [SamplingParams(max_tokens=20 + 7 * i, temperature=1.0, seed=i, ignore_eos=True) for i in range(12)]
-    alone = LLM(str(trained_model), async_scheduling=False, gpu_memory_utilization=0.3).generate(PROMPTS[2], det, use_tqdm=False)[0]
+    alone = LLM(str(trained_model), async_scheduling=False, gpu_memory_utilization=0.3).generate(
+        PROMPTS[2], det, use_tqdm=False
+    )[0]
     llm = LLM(str(trained_model), async_scheduling=True, gpu_memory_utilization=0.3)
     outs = llm.generate([*PROMPTS, PROMPTS[2], *PROMPTS * 2][:13], [*crowd[:5], det, *crowd[5:]], use_tqdm=False)
     loaded = outs[5].outputs[0]
@@ -167,7 +173,9 @@ def test_large_canonical_passes_give_the_bits_of_small_ones_in_bf16(trained_mode
     crowd = [SamplingParams(max_tokens=20 + 7 * i, temperature=1.0, seed=i, ignore_eos=True) for i in range(8)]
     seen, passes = [], []
     for largest in (128, 2048):
-        llm = LLM(str(trained_model), max_canonical_rows=largest, determinism_strategy="whole", gpu_memory_utilization=0.3)
+        llm = LLM(
+            str(trained_model), max_canonical_rows=largest, determinism_strategy="whole", gpu_memory_utilization=0.3
+        )
         assert llm.llm_engine.canonical.max >= min(largest, 512)  # the self-test checked them all
         out = llm.generate([long, *PROMPTS, *PROMPTS[:3]], [det, *crowd], use_tqdm=False)[0]
         seen.append((out.outputs[0].token_ids, out.outputs[0].logprobs, out.prompt_logprobs, out.fingerprint))

@@ -66,7 +66,8 @@ class Pool:
     """A NaN-poisoned paged KV pool; contexts get shuffled, non-contiguous blocks, with holes."""
 
     def __init__(
-        self, num_blocks: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int, device: torch.device = DEVICE
+        self, num_blocks: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int,
+        device: torch.device = DEVICE
     ) -> None:
         self.gen = torch.Generator().manual_seed(seed)
         self.device = device
@@ -480,7 +481,9 @@ def test_canonical_reference_rows_keep_their_bits_alone_among_others_and_chunked
     for grouped in (False, True):
         if grouped:  # a few (row, tile) pairs, and a few rows of a shared sequence, per group
             monkeypatch.setattr(attention_ref, "CANONICAL_CHUNK", 3 * 64 * 64 * heads)
-        for i, size in enumerate((1, 3, attention_ref.CANONICAL_SHARED_ROWS - 1, attention_ref.CANONICAL_SHARED_ROWS, 13, 64, ctx)):
+        for i, size in enumerate(
+            (1, 3, attention_ref.CANONICAL_SHARED_ROWS - 1, attention_ref.CANONICAL_SHARED_ROWS, 13, 64, ctx)
+        ):
             chunks = [rows(a, min(a + size, ctx) - 1, (i + a) % 6) for a in range(0, ctx, size)]
             assert torch.equal(torch.cat(chunks), alone), f"chunks of {size} rows, grouped={grouped}"
 

@@ -72,7 +72,9 @@ def test_generated_logprobs_match_transformers(family: str, checkpoints: dict[st
     path = checkpoints[family]
     llm = LLM(str(path), num_kv_blocks=64)
     prompt = PROMPTS[0]
-    out = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0, logprobs=3, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        prompt, SamplingParams(max_tokens=24, temperature=0, logprobs=3, ignore_eos=True), use_tqdm=False
+    )[0]
     comp = out.outputs[0]
     assert len(comp.token_ids) == 24 and len(comp.logprobs) == 24
     full = out.prompt_token_ids + comp.token_ids

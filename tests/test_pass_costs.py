@@ -17,7 +17,10 @@ from sid.engine.windowed import MeasuredPassCost
 pytestmark = pytest.mark.usefixtures("windowed_lane")
 
 def test_measured_costs_interpolate_between_the_timed_passes() -> None:
-    cost = MeasuredPassCost(fast_graphed=((1, 2.0), (16, 2.0), (256, 8.0)), fast_eager=((16, 20.0),), canonical_eager=((128, 4.0), (256, 6.0)))
+    cost = MeasuredPassCost(
+        fast_graphed=((1, 2.0), (16, 2.0), (256, 8.0)), fast_eager=((16, 20.0),),
+        canonical_eager=((128, 4.0), (256, 6.0))
+    )
     assert cost.fast(0, True) == 0.0
     assert cost.fast(1, True) == cost.fast(8, True) == 2.0
     assert cost.fast(136, True) == pytest.approx(5.0)
@@ -33,7 +36,9 @@ def test_a_whole_step_keeps_prompt_chunks_fast_only_where_a_pass_more_is_cheaper
     canonical pass; a row-bound one leaves other requests' prompt chunks in the fast lane."""
     sched = LLM(str(trained_model), num_kv_blocks=64, determinism_strategy="whole").llm_engine.scheduler.windowed
     assert sched.canonical.sizes == (32, 64, 128, 256) and sched.graph_rows == 0
-    flexible = Request("d", None, list(range(40)), SamplingParams(max_tokens=8), 0, 1, frozenset(), 0, deterministic=True)
+    flexible = Request(
+        "d", None, list(range(40)), SamplingParams(max_tokens=8), 0, 1, frozenset(), 0, deterministic=True
+    )
     decoding = Request("f", None, list(range(40)), SamplingParams(max_tokens=8), 0, 1, frozenset(), 0)
     prompt = Request("p", None, list(range(100)), SamplingParams(max_tokens=8), 0, 1, frozenset(), 0)
 
@@ -48,9 +53,13 @@ def test_a_whole_step_keeps_prompt_chunks_fast_only_where_a_pass_more_is_cheaper
         assert plan.strategy == "whole"
         return plan
 
-    sched.cost_model = MeasuredPassCost(fast_eager=((16, 20.0), (4096, 25.0)), canonical_eager=((32, 21.0), (256, 22.0)))
+    sched.cost_model = MeasuredPassCost(
+        fast_eager=((16, 20.0), (4096, 25.0)), canonical_eager=((32, 21.0), (256, 22.0))
+    )
     launch_bound = plan_for(90)
-    assert launch_bound.fast == [] and sorted(c.request.request_id for c in launch_bound.canonical[0]) == ["d", "f", "p"]
+    assert launch_bound.fast == [] and sorted(c.request.request_id for c in launch_bound.canonical[0]) == [
+        "d", "f", "p"
+    ]
     sched.cost_model = MeasuredPassCost(fast_eager=((16, 1.6), (4096, 409.6)), canonical_eager=((32, 3.4), (256, 27.0)))
     row_bound = plan_for(90)  # 92 rows: a 32-row canonical pass beside the prompt beats a 128-row one
     assert [c.request.request_id for c in row_bound.fast] == ["p"]
@@ -75,8 +84,8 @@ def test_start_up_timing_covers_every_kind_of_pass_and_gives_the_blocks_back(tra
     engine = LLM(str(trained_model), num_kv_blocks=128).llm_engine
     free = engine.kv.pool.num_free
     cost = measure_pass_costs(
-        engine.runner, engine.kv, engine.canonical_domain, fast_graph_rows=0, graph_rows=64, max_rows=200, chunk_len=48, context=40,
-        repeats=1, launches=2,
+        engine.runner, engine.kv, engine.canonical_domain, fast_graph_rows=0, graph_rows=64, max_rows=200, chunk_len=48,
+        context=40, repeats=1, launches=2,
     )
     assert cost is not None and engine.kv.pool.num_free == free
     assert cost.fast_graphed == () and [r for r, _ in cost.fast_eager] == [16, 200]
@@ -89,14 +98,19 @@ def test_start_up_timing_covers_every_kind_of_pass_and_gives_the_blocks_back(tra
     assert small.kv.pool.num_free == 16
 
 
-def test_warm_up_runs_each_prompt_pass_once_and_gives_the_blocks_back(trained_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_warm_up_runs_each_prompt_pass_once_and_gives_the_blocks_back(
+    trained_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Where no pass timing runs (riding rows, determinism off), the engine runs prompt passes
     once at start-up so their kernels compile there, not in the first requests' steps."""
     engine = LLM(str(trained_model), num_kv_blocks=128).llm_engine
     runner, free = engine.runner, engine.kv.pool.num_free
     passes: list[int] = []
     execute = runner.execute
-    monkeypatch.setattr(runner, "execute", lambda chunks, *a, **k: passes.append(sum(c.num_tokens for c in chunks)) or execute(chunks, *a, **k))
+    monkeypatch.setattr(
+        runner, "execute",
+        lambda chunks, *a, **k: passes.append(sum(c.num_tokens for c in chunks)) or execute(chunks, *a, **k)
+    )
     warm_up(runner, engine.kv, engine.canonical_domain, max_rows=300, chunk_len=48)
     assert passes == [16, 256, 300] and engine.kv.pool.num_free == free
     small = LLM(str(trained_model), num_kv_blocks=16).llm_engine

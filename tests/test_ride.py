@@ -205,7 +205,10 @@ def test_windowed_strategies_give_the_riding_bits(
     """With proven GEMMs a canonical pass may have any size, so the windowed lane computes
     the same bits as riding rows: same tokens, same fingerprint."""
     llm = LLM(str(trained_model), num_kv_blocks=512, determinism_strategy=strategy, **BF16)
-    outs = llm.generate([PROMPT, PROMPT, *CROWD], [det(), det(temperature=0.9, top_p=0.95, seed=5), *crowd_params(len(CROWD))], use_tqdm=False)
+    outs = llm.generate(
+        [PROMPT, PROMPT, *CROWD], [det(), det(temperature=0.9, top_p=0.95, seed=5), *crowd_params(len(CROWD))],
+        use_tqdm=False
+    )
     assert outs[0].outputs[0].token_ids == reference["greedy"]
     assert outs[1].outputs[0].token_ids == reference["seeded"]
     assert outs[0].fingerprint == reference["fingerprint"]

@@ -45,7 +45,9 @@ def test_sampled_token_does_not_depend_on_the_batch() -> None:
     logits = torch.randn(9, V)
     full = sample(logits, batch(9, seeds=torch.arange(9) + 100, positions=torch.arange(9) * 5)).token_ids
     for i in range(9):
-        one = sample(logits[i : i + 1], batch(1, seeds=torch.tensor([100 + i]), positions=torch.tensor([5 * i]))).token_ids
+        one = sample(
+            logits[i : i + 1], batch(1, seeds=torch.tensor([100 + i]), positions=torch.tensor([5 * i]))
+        ).token_ids
         assert one.item() == full[i].item()
 
 
@@ -109,7 +111,10 @@ def test_seeded_request_is_identical_alone_and_in_a_crowd(trained_model: Path) -
     params[2] = target
     outs = llm.generate(crowd, params, use_tqdm=False)
     assert outs[2].outputs[0].token_ids == alone
-    other_seed = llm.generate("def main(", SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=43, ignore_eos=True), use_tqdm=False)
+    other_seed = llm.generate(
+        "def main(", SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=43, ignore_eos=True),
+        use_tqdm=False
+    )
     assert other_seed[0].outputs[0].token_ids != alone
 
 
@@ -117,7 +122,8 @@ def test_penalised_generation_avoids_repeats(trained_model: Path) -> None:
     llm = LLM(str(trained_model), num_kv_blocks=64)
     plain = llm.generate("def main(", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     penalised = llm.generate(
-        "def main(", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, frequency_penalty=2.0), use_tqdm=False
+        "def main(", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, frequency_penalty=2.0),
+        use_tqdm=False
     )[0]
     def distinct(ids: list[int]) -> int:
         return len(set(ids))

@@ -56,7 +56,9 @@ def served(trained_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     policy = tmp / "router.json"
     policy.write_text(json.dumps({"rules": [{"user": "auditor", "deterministic": True}]}))
     receipts = tmp / "receipts.jsonl"
-    engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=512, router_policy=str(policy), async_scheduling=True))
+    engine = LLMEngine(
+        EngineConfig(model=str(model), num_kv_blocks=512, router_policy=str(policy), async_scheduling=True)
+    )
     settings = ServerSettings(served_model_name=MODEL, api_keys=(KEY, "sk-other"), receipts=receipts)
     with ServerThread(build_app(engine, settings)) as server:
         yield Served(server.url, model, receipts, engine)

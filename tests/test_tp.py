@@ -141,7 +141,9 @@ def test_deterministic_request_is_identical_across_batch_compositions(
 def grouped_llama(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
     """A Llama whose 4 KV heads split 1, 2 and 4 ways with 2 query heads each."""
     path = tmp_path_factory.mktemp("grouped")
-    write_checkpoint(path, "LlamaForCausalLM", seed=5, tokenizer=False, num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+    write_checkpoint(
+        path, "LlamaForCausalLM", seed=5, tokenizer=False, num_attention_heads=8, num_key_value_heads=4, head_dim=8
+    )
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, path / f.name)
     return path

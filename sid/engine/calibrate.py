@@ -142,7 +142,8 @@ def _spread(sizes: list[int]) -> list[int]:
 
 class _PassTimer:
     def __init__(
-        self, runner: ModelRunner, kv: KVCacheManager, domain: str, chunk_len: int, context: int, repeats: int, launches: int
+        self, runner: ModelRunner, kv: KVCacheManager, domain: str, chunk_len: int, context: int, repeats: int,
+        launches: int
     ) -> None:
         self.runner, self.kv, self.domain = runner, kv, domain
         self.chunk_len, self.context, self.repeats, self.launches = chunk_len, context, repeats, launches

@@ -203,7 +203,9 @@ class LLMEngine:
         if plan is None:
             if strategy == "ride":
                 failed = "; ".join(f"{k}: {v}" for k, v in self.gemm_failures.items())
-                raise ValueError(f"determinism_strategy='ride' needs GEMMs that keep a row's bits at every row count: {failed}")
+                raise ValueError(
+                    f"determinism_strategy='ride' needs GEMMs that keep a row's bits at every row count: {failed}"
+                )
             logger.info("no row-invariant GEMM path for every shape; deterministic requests take the windowed lane")
             return
         gemms = self.model.gemms
@@ -368,7 +370,10 @@ class LLMEngine:
                 request.num_computed_tokens = max(request.num_computed_tokens, chunk.end)
                 if request.deterministic and (canonical or self.ride):
                     request.n_canon = chunk.end  # canonical K/V: a canonical pass, or rows that rode
-                takes = row is not None and chunk.end == request.num_tokens and request.num_output_tokens < request.max_tokens
+                takes = (
+                    row is not None and chunk.end == request.num_tokens
+                    and request.num_output_tokens < request.max_tokens
+                )
                 if takes:
                     request.token_ids.append(placeholder(launched.step, offset + row))  # type: ignore[operator]
                 planned_under.append(Planned(request.epoch, takes))

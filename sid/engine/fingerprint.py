@@ -69,7 +69,10 @@ def processor(device: torch.device) -> dict[str, Any]:
     model = platform.processor()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
-        model = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")), model)
+        model = next(
+            (ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")),
+            model
+        )
     return {"cpu": model, "isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
 
 

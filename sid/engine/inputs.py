@@ -115,7 +115,8 @@ class InputProcessor:
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}: use a string, token ids or a dict")
 
     def _new_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None, deterministic: bool
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None,
+        deterministic: bool
     ) -> Request:
         vocab = self.vocab_size
         n = len(prompt_token_ids)

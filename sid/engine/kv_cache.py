@@ -270,7 +270,9 @@ class KVCacheManager:
         hashes = self._hashes.get(request.request_id)
         if hashes is not None:
             del hashes[num_tokens // self.block_size :]
-        self._registered[request.request_id] = min(self._registered.get(request.request_id, 0), num_tokens // self.block_size)
+        self._registered[request.request_id] = min(
+            self._registered.get(request.request_id, 0), num_tokens // self.block_size
+        )
         request.num_computed_tokens = min(request.num_computed_tokens, num_tokens)
 
     def free(self, request: Request) -> None:

@@ -83,7 +83,9 @@ def _profile_peak_bytes(engine: LLMEngine) -> int:
         r.num_emitted = rows - 1
         runner.execute([ScheduledChunk(r, 0, rows)], tables[:1], canonical=True)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - sum(t.numel() * t.element_size() for t in profile_cache.k + profile_cache.v)
+    peak = torch.cuda.max_memory_allocated(device) - sum(
+        t.numel() * t.element_size() for t in profile_cache.k + profile_cache.v
+    )
     del profile_cache, runner
     torch.cuda.empty_cache()
     return peak

@@ -26,7 +26,8 @@ class OutputProcessor:
         if self.tokenizer is not None:
             p = request.params
             self._detok[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, p.skip_special_tokens, p.stop_strings, p.include_stop_str_in_output
+                self.tokenizer, request.prompt_token_ids, p.skip_special_tokens, p.stop_strings,
+                p.include_stop_str_in_output
             )
 
     def remove(self, request_id: str) -> None:

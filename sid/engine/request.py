@@ -23,7 +23,9 @@ class RequestStatus(enum.Enum):
         return self is _STOPPED or self is _LENGTH or self is _ABORTED
 
 
-_STOPPED, _LENGTH, _ABORTED = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED
+_STOPPED, _LENGTH, _ABORTED = (
+    RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED
+)
 
 
 @dataclass(eq=False)

@@ -86,7 +86,11 @@ class SelfTest:
         # Filler rows crowd the probe's passes, up to the largest pass size the pool allows,
         # in as many sequences as the model's length limit asks for. Riding rows' GEMMs were
         # proven at every size, so their passes are spot-checked up to a size that stays quick.
-        largest = min(runner.canonical.max, 1024 if runner.device.type == "cuda" else 256) if self.proven else runner.canonical.max
+        largest = (
+            min(runner.canonical.max, 1024 if runner.device.type == "cuda" else 256)
+            if self.proven
+            else runner.canonical.max
+        )
         self.filler_rows = max(min(largest, capacity // 2), min(self.m, capacity // 3))
         gen = torch.Generator().manual_seed(0)
         filler = torch.randint(0, runner.vocab_size, (self.filler_rows,), generator=gen).tolist()
@@ -112,7 +116,9 @@ class SelfTest:
         return sizes
 
     def request(self, tokens: list[int], prompt_len: int, deterministic: bool = True) -> Request:
-        return synthetic_request(f"selftest-{next(self._ids)}", tokens, prompt_len, self.domain, deterministic=deterministic)
+        return synthetic_request(
+            f"selftest-{next(self._ids)}", tokens, prompt_len, self.domain, deterministic=deterministic
+        )
 
     def probe_request(self) -> Request:
         return self.request(self.probe, 1)
@@ -194,7 +200,9 @@ def self_test(runner: ModelRunner, kv: KVCacheManager, domain: str, max_model_le
         chunk = min(16, runner.canonical.max)
         singles = 8 + (test.n - 16) // chunk  # the pass from which the last 8 or more rows go alone
         alone = test.fresh(chunk, lambda i: 1 if i < 8 or i >= singles else chunk, lambda i: 0)
-        crowded = test.fresh(min(64, runner.canonical.max), lambda i: (7, 13, 29, 5)[i % 4], lambda i: (3, 30, 1, 17)[i % 4])
+        crowded = test.fresh(
+            min(64, runner.canonical.max), lambda i: (7, 13, 29, 5)[i % 4], lambda i: (3, 30, 1, 17)[i % 4]
+        )
     else:
         alone = test.fresh(m, lambda i: m, lambda i: 0)
         crowded = test.fresh(m, lambda i: (7, 13, 29, 5)[i % 4], lambda i: (3, 11, 1, 6)[i % 4])

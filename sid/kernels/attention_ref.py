@@ -91,12 +91,15 @@ def paged_attention_ref(
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for s, n in enumerate(q_lens):
         if n > 1:
-            out[starts[s] : starts[s] + n] = _chunk_attention(q[starts[s] : starts[s] + n], k_cache, v_cache, block_tables[s], lens[s], scale)
+            out[starts[s] : starts[s] + n] = _chunk_attention(
+                q[starts[s] : starts[s] + n], k_cache, v_cache, block_tables[s], lens[s], scale
+            )
     return out
 
 
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float
 ) -> torch.Tensor:
     """One query row per sequence, keys padded to the longest context and masked."""
     n, num_heads, head_dim = q.shape
@@ -156,7 +159,8 @@ def paged_attention_canonical_ref(
     tiles' weighted values and weight sums are folded in a binary tree over absolute tile
     indices, where tiles past the row's last are exact zeros. So a row's output depends only
     on its position and keys: not on the other rows, how many there are, how a prompt was
-    chunked, nor which of the two ways of ``canonical_plan`` computed it. ``plan`` is that index work for these rows, if already done.
+    chunked, nor which of the two ways of ``canonical_plan`` computed it. ``plan`` is that index
+    work for these rows, if already done.
     """
     if plan is None:
         plan = canonical_plan(q.shape[1], k_cache, block_tables, seq_lens, query_start_loc, tile)
@@ -209,7 +213,9 @@ class _Pairs:
         # place, so unwritten slots and unused block-table entries are never read.
         slots = _slots(block_tables, seq_idx[row][:, None], torch.minimum(key_pos, row_pos), k_cache.shape[1])
         width = _tree_width(int(tiles.max()))
-        return cls(rows, row, pair_tile * n + row, (key_pos > row_pos)[:, None, None, :], _gather_index(k_cache, slots), width)
+        return cls(
+            rows, row, pair_tile * n + row, (key_pos > row_pos)[:, None, None, :], _gather_index(k_cache, slots), width
+        )
 
     def attend(self, qf: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Scaled queries ``[rows, kv_heads, group, head_dim]`` -> float32 outputs of that shape."""
@@ -247,7 +253,9 @@ class _Shared:
         tiles = (first + n - 1) // tile + 1
         key_pos = torch.arange(tiles * tile, device=block_table.device)
         # Keys past the last row are masked for every row; read the last row's key in their place.
-        slots = _slots(block_table[None, :], torch.zeros_like(key_pos), key_pos.clamp(max=first + n - 1), k_cache.shape[1])
+        slots = _slots(
+            block_table[None, :], torch.zeros_like(key_pos), key_pos.clamp(max=first + n - 1), k_cache.shape[1]
+        )
         pos = first + torch.arange(n, device=block_table.device)
         past = key_pos.view(tiles, 1, 1, 1, tile) > pos.view(1, 1, n, 1, 1)
         return cls(rows, first, past, _gather_index(k_cache, slots.view(tiles, tile)))

@@ -46,7 +46,7 @@ is compiled with the canonical row sum (``MATRIX_SUM``, a compile-time constant)
 decode program takes or skips by its sequence's flag, a branch around the row sum alone (fast
 rows keep ``tl.sum``). On the H200 (Llama-3.1-8B heads, 200-1,500 keys, 2026-12-04) that
 branch made a launch of 64 / 256 rows with no canonical row 8 / 6 % quicker than the launch
-compiled with the matrix-unit sum for every row, and 3-4 % quicker than a fast-only launch;
+compiled with the matrix-unit sum for every row, and 2-4 % quicker than a fast-only launch;
 with every row canonical 6 / 5 % quicker; one or eight rows of 8,192 keys 3-6 % slower. A
 second launch beside the first cost a riding Qwen3-0.6B decode step 0.28-0.34 ms (28 layers;
 H200, whole-step graphs, batch 16 / 64 / 256: +14 / +10 / +5 %) even with no canonical row,
@@ -1146,7 +1146,8 @@ def _query_blocks(num_tokens: int, num_seqs: int, max_query_len: int, block_q: i
 
 
 def _canonical_schedule(
-    group: int, num_tokens: int, num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, device: torch.device
+    group: int, num_tokens: int, num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+    device: torch.device
 ) -> _Schedule:
     """The fixed canonical constants (a function of the model's GQA group only), and how many
     of a row's splits one program folds: all of them once the batch alone fills the GPU."""
@@ -1203,7 +1204,9 @@ def _fast_schedule(
     split_size = _fast_split(max_seq_len, splits, kv_tile, min_keys)
     max_splits = _cdiv(max_seq_len, split_size)
     if decode:
-        return _Schedule(block_m, kv_tile, split_size, num_warps, num_stages=3, min_keys=min_keys, max_splits=max_splits)
+        return _Schedule(
+            block_m, kv_tile, split_size, num_warps, num_stages=3, min_keys=min_keys, max_splits=max_splits
+        )
     return _Schedule(
         block_m, kv_tile, split_size, num_warps, cfg["num_stages"], prompt=True, fast_prefill=True, min_keys=min_keys,
         max_splits=max_splits,
@@ -1512,7 +1515,7 @@ def _prepare(
     ``_fold_if_last``), as every layer of the step makes them: a launch serving both schedules
     has one batch, so one ``min_keys``."""
     fast_programs, canonical_row_splits, canonical_programs = splits
-    _, _, block_tables, seq_lens, query_start_loc, flags, own_keys = rows
+    _, _, block_tables, seq_lens, query_start_loc, flags, _ = rows
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     block_size, head_dim = k_cache.shape[1], q.shape[2]
     group = q.shape[1] // num_kv_heads

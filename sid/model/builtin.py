@@ -34,7 +34,9 @@ def trained_model_path() -> Path | None:
     env = os.environ.get("SID_TRAINED_MODEL")
     candidates = [Path(env)] if env else []
     repo = Path(__file__).resolve().parents[2]
-    candidates += [repo.parent / "shared" / "models" / TRAINED_MODEL_NAME, repo / ".carry" / "models" / TRAINED_MODEL_NAME]
+    candidates += [
+        repo.parent / "shared" / "models" / TRAINED_MODEL_NAME, repo / ".carry" / "models" / TRAINED_MODEL_NAME
+    ]
     return next((p for p in candidates if (p / "config.json").is_file()), None)
 
 
@@ -77,7 +79,9 @@ def train_tokenizer(path: Path, vocab_size: int = TINY_SHAPE["vocab_size"]) -> N
     fast.save_pretrained(str(path))
 
 
-def write_checkpoint(path: Path, architecture: str, *, seed: int = 0, tokenizer: bool = True, **overrides: object) -> Path:
+def write_checkpoint(
+    path: Path, architecture: str, *, seed: int = 0, tokenizer: bool = True, **overrides: object
+) -> Path:
     """Save a random-weight checkpoint of ``architecture`` (float32, safetensors) to ``path``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -172,7 +172,9 @@ def _schedule_parts(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetad
         if seqs is None or not len(seqs):
             continue
         lens = q_lens[seqs]
-        sub = (meta.block_tables[seqs], meta.seq_lens[seqs], torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(qsl.dtype))
+        sub = (
+            meta.block_tables[seqs], meta.seq_lens[seqs], torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(qsl.dtype)
+        )
         rows = (row_flags == flag).nonzero()[:, 0]
         parts.append(_SchedulePart(rows, *sub, canonical_plan(heads, k_cache, *sub) if flag else None))
     return parts

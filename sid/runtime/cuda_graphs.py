@@ -244,7 +244,10 @@ class CUDAGraphs:
         device = self.input_ids.device
         ids, pos, slot = upload(
             device,
-            [[*input_ids, *[0] * rows_pad], [*positions, *[0] * rows_pad], np.concatenate([slots, np.full(rows_pad, -1)])],
+            [
+                [*input_ids, *[0] * rows_pad], [*positions, *[0] * rows_pad],
+                np.concatenate([slots, np.full(rows_pad, -1)])
+            ],
             torch.int64,
         )
         flags = [*(canonical_seqs or [0] * s), *[0] * (shape.seqs - len(canonical_seqs or [0] * s))]

@@ -437,7 +437,9 @@ def _rows_at(
     return torch.cat([run(path, x[i * m : (i + 1) * m], weight, bias) for i in range(calls)])
 
 
-def time_gemm(path: GemmPath, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, iters: int = 20) -> float:
+def time_gemm(
+    path: GemmPath, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, iters: int = 20
+) -> float:
     """Median microseconds of one GEMM of ``x``'s rows through ``path``, replayed from a CUDA graph."""
     run(path, x, weight, bias)
     graph = torch.cuda.CUDAGraph()

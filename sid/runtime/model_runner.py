@@ -227,7 +227,9 @@ class ModelRunner:
         self.ride = False
         """Deterministic requests' rows ride in fast passes (the engine sets it once the GEMMs are proven)."""
 
-    def _tensor(self, data: Sequence[int] | Sequence[float] | Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
+    def _tensor(
+        self, data: Sequence[int] | Sequence[float] | Sequence[Sequence[int]], dtype: torch.dtype
+    ) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
     def _layout(
@@ -357,7 +359,9 @@ class ModelRunner:
                 flags = [int(c.request.deterministic) for c in chunks]
                 rows.canonical_seqs = flags + [min(flags)] * bool(rows.pad)  # padding joins an all-deterministic pass
                 if rows.logit_rows:
-                    rows.logit_rows, rows.logit_pad = _pad_rows(rows.logit_rows, self.canonical.fit(len(rows.logit_rows)))
+                    rows.logit_rows, rows.logit_pad = _pad_rows(
+                        rows.logit_rows, self.canonical.fit(len(rows.logit_rows))
+                    )
         elif every_row:
             rows.logit_pad = rows.pad
             rows.prompt_index = prompt
@@ -392,12 +396,16 @@ class ModelRunner:
         fed = TokenFeed.check(input_ids, feed)
         layout = self._layout(chunks, block_table, rows)
         invariant = ride or (canonical and self.model.gemms.invariant is not None)
-        launched = LaunchedPass(list(chunks), canonical, sample_rows, rows.token_rows, positions, [i for _, _, i in prompt_rows])
+        launched = LaunchedPass(
+            list(chunks), canonical, sample_rows, rows.token_rows, positions, [i for _, _, i in prompt_rows]
+        )
         sampled_rows = [(chunks[i].request, positions[row]) for row, i in sample_rows] + [(None, 0)] * rows.logit_pad
         # Uploaded before the pass is launched: copies issued after it would wait for the GPU.
         batch = self._sampling_batch(sampled_rows) if sampled_rows else None
         targets, prompt_index_t = (
-            upload(self.device, [[t for _, t, _ in prompt_rows], rows.prompt_index], torch.int64) if prompt_rows else (None, None)
+            upload(self.device, [[t for _, t, _ in prompt_rows], rows.prompt_index], torch.int64)
+            if prompt_rows
+            else (None, None)
         )
         graphed = self._graph_runs(canonical, bool(prompt_rows), len(input_ids), len(chunks), ride)
         assert not graphed or not canonical or index is None  # the canonical graph computes every row's logits
@@ -574,7 +582,9 @@ class ModelRunner:
         gen = torch.Generator(device=self.device).manual_seed(num_rows)
         noise = torch.randn(logits.shape, generator=gen, device=self.device)
         if rows.canonical_seqs is not None:
-            owners = [chunks[i].request for _, _, i in rows.prompt_rows] + [chunks[i].request for _, i in rows.sample_rows]
+            owners = [chunks[i].request for _, _, i in rows.prompt_rows] + [
+                chunks[i].request for _, i in rows.sample_rows
+            ]
             keep = [r.deterministic for r in owners] + [True] * rows.logit_pad
             noise[torch.tensor(keep, device=self.device)] = 0.0
         return logits + FAULTS.fast_lane_logit_noise * noise

@@ -29,7 +29,9 @@ def upload(
     """``parts`` (lists, or arrays taken whole, flattened) as 1-D tensors on ``device``
     (16-byte aligned views of one buffer), in one copy."""
     kind = _NUMPY[dtype]
-    arrays = [p.astype(kind, copy=False).ravel() if isinstance(p, np.ndarray) else np.fromiter(p, kind, len(p)) for p in parts]
+    arrays = [
+        p.astype(kind, copy=False).ravel() if isinstance(p, np.ndarray) else np.fromiter(p, kind, len(p)) for p in parts
+    ]
     align = _ALIGN_BYTES // np.dtype(kind).itemsize
     starts = list(accumulate((-(-a.size // align) * align for a in arrays), initial=0))
     packed = np.zeros(starts[-1], kind)
