@@ -8,7 +8,10 @@ module, every case runs through both, the outputs are compared bit for bit, and 
 from 16-call CUDA graphs taken in alternating order (new, base, new, base), medians of each.
 Cases: prompts (fresh, and chunks after a cached prefix) and decode steps, Qwen3-0.6B and
 Llama-3.1-8B heads, both schedules; prompt times also as a fraction of the bf16 matmul rate
-measured in the same run.
+measured in the same run. ``riding`` cases are decode steps launched as the engine's decode
+graphs launch them when deterministic rows ride: one launch serving both schedules, sized for
+more keys than the rows hold, with no row, every 50th row or every row canonical (their
+``bits_equal`` compares the canonical rows: a fast row may change by design).
 
     python benchmarks/attention_ab.py --base cb33f21 [--out DIR]   # H200
     python benchmarks/attention_ab.py --base-file base_pa.py       # where the tree has no history
@@ -41,10 +44,18 @@ CASES = [(1, 8192, 0), (8, 2048, 0), (1, 32768, 0), (2, 2048, 16384), (4, 512, 0
          (2, 1, 8191), (4, 1, 8191), (16, 1, 8191), (32, 1, 8191), (36, 1, 8191), (40, 1, 8191), (48, 1, 8191),
          (56, 1, 8191), (4, 1, 32767), (8, 1, 32767)]
 """(sequences, query rows each, cached keys before them): a query row of 1 is a decode step."""
+RIDING_CASES = [(64, (200, 1500)), (256, (200, 1500)), (1, (8192, 8192)), (8, (8192, 8192)), (64, (8192, 8192))]
+"""(sequences, (fewest, most) keys each, drawn uniformly) of the riding cases."""
+RIDING_EVERY = {"both, none": 0, "both, 1 in 50": 50, "both, all": 1}
+"""Compositions of a launch serving both schedules: every how many rows is canonical (0: none)."""
+RIDING_LAUNCH_KEYS = 4096
+"""A riding launch is sized for a multiple of this many keys (``attention.SMOKE``'s graph limit in a
+smoke run), as a graph is for the model's limit."""
 SMOKE_MODELS = {"tiny-gqa4": (4, 1, 32)}
 SMOKE_CASES = [(2, 32, 0), (4, 40, attention.SMOKE_SPLIT - 4), (2, 1, attention.SMOKE_SPLIT + 20)]
 """The second and third cross a canonical split (``attention.SMOKE_CONFIG``); in the second, the batch gives
 each prompt program both splits to fold."""
+SMOKE_RIDING = [(3, (20, attention.SMOKE_SPLIT + 20))]
 
 
 def load_base(rev: str, path: str | None) -> ModuleType:
@@ -68,23 +79,8 @@ def run_case(
     flop = 4 * heads * head_dim * seqs * (rows * prefix + rows * (rows + 1) // 2)
     found = []
     for canonical in (False, True):
-        outs = {name: torch.full_like(step.q, float("nan")) for name in kernels}
-        calls = {}
-        for name, module in kernels.items():
-            def call(module: ModuleType = module, out: torch.Tensor = outs[name]) -> None:
-                module.paged_attention(
-                    step.q, step.k_cache, step.v_cache, step.table, step.seq_lens, step.query_start_loc,
-                    head_dim**-0.5, canonical=canonical, out=out, k=step.key, v=step.value, max_query_len=rows,
-                    max_seq_len=context,
-                )  # fmt: skip
-
-            call()
-            calls[name] = call
-        times: dict[str, list[float]] = {name: [] for name in kernels}
-        for _ in range(1 if smoke else 2):
-            for name, call in calls.items():
-                times[name].append(attention.bench(call, smoke) if smoke else attention.bench_graph(call, smoke))
-        new_ms, base_ms = (statistics.median(times[name]) for name in ("new", "base"))
+        outs, new_ms, base_ms = compare(kernels, step, smoke, canonical=canonical, max_query_len=rows,
+                                        max_seq_len=context)  # fmt: skip
         found.append(dict(
             kind="decode" if rows == 1 else "prompt", seqs=seqs, rows=rows, prefix=prefix,
             schedule="canonical" if canonical else "fast", base_us=base_ms * 1e3, new_us=new_ms * 1e3,
@@ -94,12 +90,69 @@ def run_case(
     return found
 
 
+def run_riding(
+    kernels: dict[str, ModuleType], heads: int, kv_heads: int, head_dim: int, seqs: int, keys: tuple[int, int],
+    device: torch.device, smoke: bool,
+) -> list[dict]:  # fmt: skip
+    """One decode step of ``seqs`` rows of ``keys`` keys as a riding decode graph launches it, in
+    a fast-only launch and in one launch serving both schedules at each ``RIDING_EVERY``."""
+    gen = torch.Generator().manual_seed(seqs)
+    contexts = torch.randint(keys[0], keys[1] + 1, (seqs,), generator=gen).tolist()
+    step = attention.Step.random(heads, kv_heads, head_dim, contexts, [1] * seqs, device)
+    step.store()
+    unit = attention.SMOKE.graph_limit if smoke else RIDING_LAUNCH_KEYS
+    launch_keys = -(-max(contexts) // unit) * unit
+    found = []
+    for composition, every in {"fast only": None, **RIDING_EVERY}.items():
+        if every is None:
+            flags: bool | torch.Tensor = False
+            canonical_rows = torch.zeros(seqs, dtype=torch.bool, device=device)
+        else:
+            canonical_rows = torch.tensor([every > 0 and i % every == 0 for i in range(seqs)], device=device)
+            flags = canonical_rows.to(torch.int32)
+        kw = {} if every is None else {"schedules": (True, True)}
+        outs, new_ms, base_ms = compare(kernels, step, smoke, canonical=flags, max_query_len=1,
+                                        max_seq_len=launch_keys, **kw)  # fmt: skip
+        found.append(dict(
+            kind="riding", seqs=seqs, rows=1, prefix=f"{keys[0]}-{keys[1]}", schedule=composition,
+            base_us=base_ms * 1e3, new_us=new_ms * 1e3, new_over_base=new_ms / base_ms, of_matmul_rate=None,
+            bits_equal=torch.equal(outs["new"][canonical_rows], outs["base"][canonical_rows])
+            if bool(canonical_rows.any()) else None,
+            nan=bool(outs["new"].isnan().any()),
+        ))  # fmt: skip
+    return found
+
+
+def compare(
+    kernels: dict[str, ModuleType], step: attention.Step, smoke: bool, **kw: object
+) -> tuple[dict[str, torch.Tensor], float, float]:
+    """Each module's output of one call on ``step`` (keyword arguments ``kw``), and the new and
+    base modules' times in ms: medians of calls taken in alternating order."""
+    outs = {name: torch.full_like(step.q, float("nan")) for name in kernels}
+    calls = {}
+    for name, module in kernels.items():
+        def call(module: ModuleType = module, out: torch.Tensor = outs[name]) -> None:
+            module.paged_attention(
+                step.q, step.k_cache, step.v_cache, step.table, step.seq_lens, step.query_start_loc,
+                step.q.shape[2] ** -0.5, out=out, k=step.key, v=step.value, **kw,
+            )  # fmt: skip
+
+        call()
+        calls[name] = call
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    for _ in range(1 if smoke else 2):
+        for name, call in calls.items():
+            times[name].append(attention.bench(call, smoke) if smoke else attention.bench_graph(call, smoke))
+    new_ms, base_ms = (statistics.median(times[name]) for name in ("new", "base"))
+    return outs, new_ms, base_ms
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="HEAD", help="git revision whose kernels are the base")
     ap.add_argument("--base-file", default=None, help="the base's paged_attention.py itself (instead of --base)")
     ap.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
-    ap.add_argument("--kinds", default="prompt,decode", help="cases to run: prompt, decode or both")
+    ap.add_argument("--kinds", default="prompt,decode,riding", help="cases to run, of prompt, decode and riding")
     args = parse_args(ap)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kernels = {"new": new_kernels, "base": load_base(args.base, args.base_file)}
@@ -120,6 +173,11 @@ def main() -> None:
                 print(rows[-1], flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        if "riding" in args.kinds.split(","):
+            for seqs, keys in SMOKE_RIDING if args.smoke else RIDING_CASES:
+                for row in run_riding(kernels, *shape, seqs, keys, device, args.smoke):
+                    rows.append(dict(model=model, **row))
+                    print(rows[-1], flush=True)
     base = args.base_file or args.base
     path = write_json("attention_ab", dict(base=base, matmul_tflops=flops / 1e12, rows=rows), args.out)
     print(f"\nnew = this tree, base = {base}; bf16 matmul {flops / 1e12:.0f} TFLOP/s; times in µs")
