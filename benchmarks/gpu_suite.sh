@@ -14,7 +14,8 @@
 #        attention_timeline (each program of a batch-1 / batch-8 decode attention launch: its walk, the fold, the ends)
 #        attention_host (a prompt step's attention a layer: host time against GPU time, four compositions)
 #        attention_ab (this tree's kernels against a base's, bits and times in one process; AB_BASE names the
-#          base's file, made here: git show REV:sid/kernels/paged_attention.py > .carry/base_pa.py)
+#          base's file, made here: git show REV:sid/kernels/paged_attention.py > .carry/base_pa.py; AB_KINDS
+#          picks of prompt,decode,riding)
 #        gemm_paths (which GEMM path keeps a row's bits at every row count, per shape, and its cost)
 #        allreduce (two GPUs, nvidia-h200-x2: NCCL vs the canonical gather-and-sum vs a one-shot all-reduce,
 #          rows x 4096 and rows x 8192)
@@ -87,7 +88,8 @@ step() {
           --repeats 2 --out "$RES/host_zero_$code"
       done ;;
     attention) run_step attention 400 python3 benchmarks/attention.py --out "$RES" ;;
-    attention_ab) run_step attention_ab 300 python3 benchmarks/attention_ab.py --base-file "${AB_BASE:-.carry/base_pa.py}" --out "$RES" ;;
+    attention_ab) run_step attention_ab 500 python3 benchmarks/attention_ab.py --base-file "${AB_BASE:-.carry/base_pa.py}" \
+      --kinds "${AB_KINDS:-prompt,decode,riding}" --out "$RES" ;;
     attention_timeline) run_step attention_timeline 200 python3 benchmarks/attention_timeline.py --batches 1,8 --out "$RES" ;;
     attention_host) run_step attention_host 120 python3 benchmarks/attention_host.py --out "$RES" ;;
     cost_qwen_tail) run_step cost_qwen_tail 400 python3 benchmarks/determinism_cost.py --model qwen3-0.6b --workload lognormal --repeats "${REPEATS:-1}" $COST_ARGS --out "$RES/qwen_tail" ;;
