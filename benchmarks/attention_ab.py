@@ -21,6 +21,7 @@ more keys than the rows hold, with no row, every 50th row or every row canonical
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import subprocess
 import sys
@@ -46,8 +47,9 @@ CASES = [(1, 8192, 0), (8, 2048, 0), (1, 32768, 0), (2, 2048, 16384), (4, 512, 0
 """(sequences, query rows each, cached keys before them): a query row of 1 is a decode step."""
 RIDING_CASES = [(64, (200, 1500)), (256, (200, 1500)), (1, (8192, 8192)), (8, (8192, 8192)), (64, (8192, 8192))]
 """(sequences, (fewest, most) keys each, drawn uniformly) of the riding cases."""
-RIDING_EVERY = {"both, none": 0, "both, 1 in 50": 50, "both, all": 1}
-"""Compositions of a launch serving both schedules: every how many rows is canonical (0: none)."""
+RIDING_EVERY = {"fast only": None, "both, none": 0, "both, 1 in 50": 50, "both, all": 1}
+"""Compositions of a riding case: every how many rows is canonical in a launch serving both
+schedules (0: none), or a fast-only launch (None)."""
 RIDING_LAUNCH_KEYS = 4096
 """A riding launch is sized for a multiple of this many keys (``attention.SMOKE``'s graph limit in a
 smoke run), as a graph is for the model's limit."""
@@ -95,7 +97,7 @@ def run_riding(
     device: torch.device, smoke: bool,
 ) -> list[dict]:  # fmt: skip
     """One decode step of ``seqs`` rows of ``keys`` keys as a riding decode graph launches it, in
-    a fast-only launch and in one launch serving both schedules at each ``RIDING_EVERY``."""
+    each composition of ``RIDING_EVERY``."""
     gen = torch.Generator().manual_seed(seqs)
     contexts = torch.randint(keys[0], keys[1] + 1, (seqs,), generator=gen).tolist()
     step = attention.Step.random(heads, kv_heads, head_dim, contexts, [1] * seqs, device)
@@ -103,16 +105,12 @@ def run_riding(
     unit = attention.SMOKE.graph_limit if smoke else RIDING_LAUNCH_KEYS
     launch_keys = -(-max(contexts) // unit) * unit
     found = []
-    for composition, every in {"fast only": None, **RIDING_EVERY}.items():
-        if every is None:
-            flags: bool | torch.Tensor = False
-            canonical_rows = torch.zeros(seqs, dtype=torch.bool, device=device)
-        else:
-            canonical_rows = torch.tensor([every > 0 and i % every == 0 for i in range(seqs)], device=device)
-            flags = canonical_rows.to(torch.int32)
-        kw = {} if every is None else {"schedules": (True, True)}
+    for composition, every in RIDING_EVERY.items():
+        canonical_rows = torch.tensor([bool(every) and i % every == 0 for i in range(seqs)], device=device)
+        # Per-sequence flags with no ``schedules`` make the launch serve both, as a riding graph's does.
+        flags = False if every is None else canonical_rows.to(torch.int32)
         outs, new_ms, base_ms = compare(kernels, step, smoke, canonical=flags, max_query_len=1,
-                                        max_seq_len=launch_keys, **kw)  # fmt: skip
+                                        max_seq_len=launch_keys)  # fmt: skip
         found.append(dict(
             kind="riding", seqs=seqs, rows=1, prefix=f"{keys[0]}-{keys[1]}", schedule=composition,
             base_us=base_ms * 1e3, new_us=new_ms * 1e3, new_over_base=new_ms / base_ms, of_matmul_rate=None,
@@ -163,21 +161,25 @@ def main() -> None:
     flops = attention.measure_matmul(sizes, device, args.smoke)
     models = SMOKE_MODELS if args.smoke else {name: MODELS[name] for name in args.models.split(",")}
     torch.manual_seed(0)
+    kinds = args.kinds.split(",")
     rows = []
     for model, shape in models.items():
-        for case in SMOKE_CASES if args.smoke else CASES:
-            if ("decode" if case[1] == 1 else "prompt") not in args.kinds.split(","):
-                continue
-            for row in run_case(kernels, *shape, *case, flops, device, args.smoke):
+        runs = [
+            functools.partial(run_case, kernels, *shape, *case, flops, device, args.smoke)
+            for case in (SMOKE_CASES if args.smoke else CASES)
+            if ("decode" if case[1] == 1 else "prompt") in kinds
+        ]
+        if "riding" in kinds:
+            runs += [
+                functools.partial(run_riding, kernels, *shape, seqs, keys, device, args.smoke)
+                for seqs, keys in (SMOKE_RIDING if args.smoke else RIDING_CASES)
+            ]
+        for run in runs:
+            for row in run():
                 rows.append(dict(model=model, **row))
                 print(rows[-1], flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        if "riding" in args.kinds.split(","):
-            for seqs, keys in SMOKE_RIDING if args.smoke else RIDING_CASES:
-                for row in run_riding(kernels, *shape, seqs, keys, device, args.smoke):
-                    rows.append(dict(model=model, **row))
-                    print(rows[-1], flush=True)
     base = args.base_file or args.base
     path = write_json("attention_ab", dict(base=base, matmul_tflops=flops / 1e12, rows=rows), args.out)
     print(f"\nnew = this tree, base = {base}; bf16 matmul {flops / 1e12:.0f} TFLOP/s; times in µs")
