@@ -412,11 +412,11 @@ def _softmax_step(
 ):
     """Fold one tile of keys (``k`` ``[DIM, TILE]``, ``v`` ``[TILE, DIM]``) into the rows' online
     softmax. ``MASKED``: the causal mask, needed only on tiles some row of the block cannot
-    see whole. In a launch compiled with ``MATRIX_SUM``, ``canonical`` (the program's sequence
-    is; a run-time flag in decode launches) picks the matrix-unit row sum over ``tl.sum``. The
-    fast prefill schedule folds the scale into the exponent (one FMA a score); every other
-    launch keeps the canonical arithmetic, which a mask that hides nothing leaves bit for bit
-    the same."""
+    see whole. In a launch compiled with ``MATRIX_SUM``, ``canonical`` (whether the program's
+    sequence is; a run-time flag in decode launches) picks the matrix-unit row sum over
+    ``tl.sum``. The fast prefill schedule folds the scale into the exponent (one FMA a score);
+    every other launch keeps the canonical arithmetic, which a mask that hides nothing leaves
+    bit for bit the same."""
     precision: tl.constexpr = "ieee" if DOT_DTYPE == tl.float32 else "tf32"
     s = tl.dot(q, k.to(DOT_DTYPE), input_precision=precision)
     if FAST_PREFILL:
