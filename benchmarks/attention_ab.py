@@ -45,7 +45,10 @@ CASES = [(1, 8192, 0), (8, 2048, 0), (1, 32768, 0), (2, 2048, 16384), (4, 512, 0
          (2, 1, 8191), (4, 1, 8191), (16, 1, 8191), (32, 1, 8191), (36, 1, 8191), (40, 1, 8191), (48, 1, 8191),
          (56, 1, 8191), (4, 1, 32767), (8, 1, 32767)]
 """(sequences, query rows each, cached keys before them): a query row of 1 is a decode step."""
-RIDING_CASES = [(64, (200, 1500)), (256, (200, 1500)), (1, (8192, 8192)), (8, (8192, 8192)), (64, (8192, 8192))]
+RIDING_CASES = [
+    (8, (200, 1500)), (16, (200, 1500)), (64, (200, 1500)), (256, (200, 1500)),
+    (1, (8192, 8192)), (8, (8192, 8192)), (16, (8192, 8192)), (32, (8192, 8192)), (64, (8192, 8192)),
+]
 """(sequences, (fewest, most) keys each, drawn uniformly) of the riding cases."""
 RIDING_EVERY = {"fast only": None, "both, none": 0, "both, 1 in 50": 50, "both, all": 1}
 """Compositions of a riding case: every how many rows is canonical in a launch serving both

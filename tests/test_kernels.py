@@ -543,26 +543,33 @@ def test_canonical_reference_gemms_ignore_batch_count_slot_and_stride(group: int
             assert torch.equal(torch.bmm(a[:n], b[0].expand(n, *b.shape[1:])), shared[:n]), f"{n} at stride 0"
 
 
+@pytest.mark.parametrize("by_sequence_from", [1, 1 << 20], ids=["row-sum-by-sequence", "matrix-sum-every-row"])
 @pytest.mark.parametrize("shapes", [[(SPLIT + 60, 1), (300, 1), (40, 1), (SPLIT + 9, 1)], mixed_shapes(True)])
 def test_sequences_take_their_own_schedule_in_one_batch(
-    shapes: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+    shapes: list[tuple[int, int]], by_sequence_from: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Per-sequence flags: canonical sequences get the bits they get in an all-canonical
-    batch. Decode-only batches share one launch (its fast rows take the canonical row sum, so
-    only their values are checked); batches with prompt chunks launch the two schedules
-    separately, and their fast rows get the bits of an all-fast batch."""
+    batch. Decode-only batches share one launch, whose programs branch on their sequence's flag
+    around the row sum or (few sequences) sum every row on the matrix unit: either way its fast
+    rows may take another spread than an all-fast batch's, so only their values are checked.
+    Batches with prompt chunks launch the two schedules separately, and their fast rows get the
+    bits of an all-fast batch."""
+    monkeypatch.setattr(attention, "_SUM_BY_SEQUENCE_FROM", by_sequence_from)
     pool = Pool(260, 2, 64, torch.bfloat16, seed=21)
     batch = mixed_batch(pool, 4, shapes)
     batch.q = batch.q.to(torch.bfloat16)
     flags = torch.tensor([i % 2 for i in range(len(shapes))], dtype=torch.int32, device=DEVICE)
     kw = dict(max_query_len=max(n for _, n in shapes), max_seq_len=max(c for c, _ in shapes))
-    served: list[int] = []
+    served: list[tuple[int, bool]] = []
     launch = attention._launch
-    monkeypatch.setattr(attention, "_launch", lambda batch, one: served.append(one.serve) or launch(batch, one))
+    monkeypatch.setattr(
+        attention, "_launch",
+        lambda batch, one: served.append((one.serve, one.attention.constants["BY_SEQUENCE"])) or launch(batch, one),
+    )
     mixed = attention.paged_attention(*batch.args(pool), 0.125, canonical=flags, **kw)
     decode = kw["max_query_len"] == 1
-    separate = [attention._SERVE_FAST, attention._SERVE_CANONICAL]
-    assert sorted(served) == ([attention._SERVE_BOTH] if decode else separate)
+    separate = [(attention._SERVE_FAST, False), (attention._SERVE_CANONICAL, False)]
+    assert sorted(served) == ([(attention._SERVE_BOTH, by_sequence_from == 1)] if decode else separate)
     canon = attention.paged_attention(*batch.args(pool), 0.125, canonical=True, **kw)
     fast = attention.paged_attention(*batch.args(pool), 0.125, canonical=False, **kw)
     starts = batch.query_start_loc.tolist()

@@ -42,22 +42,23 @@ the splits were spread over programs: the spread (``group``) is free to follow t
 
 A mixed decode batch is one launch: the two schedules' decode constants (block shape, tile,
 warps, stages) are the same, each sequence reads its own split size and group, and the launch
-is compiled with the canonical row sum (``MATRIX_SUM``, a compile-time constant), which each
-decode program takes or skips by its sequence's flag, a branch around the row sum alone (fast
-rows keep ``tl.sum``). On the H200 (Llama-3.1-8B heads, 200-1,500 keys, 2026-12-04) that
-branch made a launch of 64 / 256 rows with no canonical row 8 / 6 % quicker than the launch
-compiled with the matrix-unit sum for every row, and 2-4 % quicker than a fast-only launch;
-with every row canonical 6 / 5 % quicker; one or eight rows of 8,192 keys 3-6 % slower. A
-second launch beside the first cost a riding Qwen3-0.6B decode step 0.28-0.34 ms (28 layers;
-H200, whole-step graphs, batch 16 / 64 / 256: +14 / +10 / +5 %) even with no canonical row,
-where the proven GEMMs cost nothing (2026-12-02). A mixed batch with prompt rows, whose
+is compiled with the canonical row sum (``MATRIX_SUM``, a compile-time constant). Over many
+sequences each decode program takes or skips it by its sequence's flag, a branch around the row
+sum alone (fast rows keep ``tl.sum``); a launch over few sequences sums every row on the matrix
+unit (``_SUM_BY_SEQUENCE_FROM``). On the H200 (Qwen3-0.6B and Llama-3.1-8B heads, 2026-12-05)
+the branch made a launch of 64 / 256 rows of 200-1,500 keys 6-8 / 5-7 % quicker than the
+matrix-unit sum for every row, whether none, 1 in 50 or every row was canonical, and 64 rows of
+8,192 keys 3-5 %; at 8 / 16 rows of 200-1,500 keys and 1-32 rows of 8,192 keys it was 0-6 %
+slower. A second launch beside the first cost a riding Qwen3-0.6B decode step 0.28-0.34 ms (28
+layers; H200, whole-step graphs, batch 16 / 64 / 256: +14 / +10 / +5 %) even with no canonical
+row, where the proven GEMMs cost nothing (2026-12-02). A mixed batch with prompt rows, whose
 schedules differ in block shape and arithmetic, launches them separately, each skipping the
 other's sequences. A step's decodes beside prompt rows (its first sequences, ``num_decodes``)
-get a decode-shaped launch of their own, whose one launch serves both schedules, and the
-prompt launches cover the sequences after them: in a 128-row prompt block a decode row costs a
-block's work. On CUDA the canonical launch goes first, on a side stream, and runs beside the
-fast one: a few canonical sequences are a latency-bound tail when a full batch gives each one
-program for all its splits, and after the fast launch that tail added its whole length.
+get a decode-shaped launch of their own, whose one launch serves both schedules, and the prompt
+launches cover the sequences after them: in a 128-row prompt block a decode row costs a block's
+work. On CUDA the canonical launch goes first, on a side stream, and runs beside the fast one:
+a few canonical sequences are a latency-bound tail when a full batch gives each one program for
+all its splits, and after the fast launch that tail added its whole length.
 
 Steps with prompt rows (the prefill work):
 
@@ -205,6 +206,11 @@ measured again."""
 _SERVE_FAST, _SERVE_CANONICAL = 1, 2
 """Bits of a launch's ``serve``: which sequences' schedule it runs."""
 _SERVE_BOTH = _SERVE_FAST | _SERVE_CANONICAL
+_SUM_BY_SEQUENCE_FROM = 64
+"""A decode launch serving both schedules over at least this many sequences branches on each
+one's flag around the row sum (``BY_SEQUENCE``); a smaller one sums every row on the matrix
+unit, fast rows too. Canonical rows get the same bits either way. The branch won at 64 and 256
+sequences and lost at 1-32 (module doc); 33-63 were not measured."""
 _TICKETS = 1 << 16
 """Query blocks x KV heads a decode launch may have for its programs to fold their own
 partials (``_fold_if_last``); a larger one leaves them to the combine kernel."""
@@ -740,6 +746,7 @@ def _attention_kernel(
     DOT_DTYPE: tl.constexpr,
     FAST_PREFILL: tl.constexpr,
     MATRIX_SUM: tl.constexpr,
+    BY_SEQUENCE: tl.constexpr,
     PROMPT: tl.constexpr,
     STAGES: tl.constexpr,
     FOLD_LAST: tl.constexpr,
@@ -753,9 +760,11 @@ def _attention_kernel(
     ``k_desc``/``v_desc`` (None: plain loads) TMA descriptors over them. ``FAST_PREFILL``: a
     fast launch with prompt rows, one split per program, so no fold state beside the split's.
     ``MATRIX_SUM``: the launch serves canonical sequences, whose rows sum their softmax weights
-    on the matrix unit (``_row_sum``); fast rows keep the cheaper ``tl.sum``. A decode program
-    branches on its sequence's flag around that sum alone: two copies of the whole tile loop
-    in one kernel made decode 1.3-1.7x slower in both schedules (H200, 2026-12-01).
+    on the matrix unit (``_row_sum``). ``BY_SEQUENCE`` (a decode launch serving both schedules
+    over many sequences, ``_SUM_BY_SEQUENCE_FROM``): each program branches on its sequence's
+    flag around that sum alone, so fast rows keep the cheaper ``tl.sum``; two copies of the
+    whole tile loop in one kernel made decode 1.3-1.7x slower in both schedules (H200,
+    2026-12-01). Otherwise every row of a ``MATRIX_SUM`` launch takes the matrix-unit sum.
     ``FOLD_LAST``: the last program of a query block to finish folds the block's partials
     (``_fold_if_last``, ``tickets_ptr``; ``FOLD_ROWS`` rows, ``PREFETCH`` splits a step);
     otherwise ``_combine_kernel`` does.
@@ -824,7 +833,8 @@ def _attention_kernel(
     else:
         m_f, l_f, acc_f = _decode_splits(
             q, pos, valid, table, k_cache_ptr, v_cache_ptr, first, end, split_size, kv_head, dims, dim_ok, qk_scale,
-            kc, vc, partials, part, BLOCK_SIZE, BLOCK_M, TILE, DIM, DOT_DTYPE, MATRIX_SUM, STAGES, INTERPRET, canonical,
+            kc, vc, partials, part, BLOCK_SIZE, BLOCK_M, TILE, DIM, DOT_DTYPE, MATRIX_SUM, STAGES, INTERPRET,
+            canonical if BY_SEQUENCE else True,
         )  # fmt: skip
     if first == 0:
         complete = pos // split_size < stop
@@ -1537,6 +1547,7 @@ def _prepare(
             DOT_DTYPE=_dot_dtype(q),
             FAST_PREFILL=sched.fast_prefill,
             MATRIX_SUM=serve != _SERVE_FAST,
+            BY_SEQUENCE=serve == _SERVE_BOTH and not sched.prompt and num_seqs >= _SUM_BY_SEQUENCE_FROM,
             PROMPT=sched.prompt,
             STAGES=stages,
             FOLD_LAST=fold_last,
