@@ -29,6 +29,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
@@ -61,9 +63,11 @@ def step_log(engine: LLMEngine, spent: dict[str, list[float]], trace: list[dict[
     windows of several rows), and the other steps by how many requests are unfinished.
     ``trace`` gets one entry per step: its kind, wall ms, fast rows, canonical passes' rows,
     the strategy the scheduler chose, the ms the step spent in Python's garbage collector,
-    the ms it waited for the GPU, and the ms of CPU time its thread got: a step much longer
-    than its wait and CPU time together is a host thread that wanted to run and did not.
-    Steps of the same make-up compare across runs."""
+    the ms it waited for the GPU, the ms of CPU time its thread got (a step much longer than
+    its wait and CPU time together is a host thread that wanted to run and did not; the wait
+    for the GPU spins, so it counts as CPU time) and the ms of CPU time the whole process got
+    (more than the thread's is other threads working or spinning beside it). Steps of the same
+    make-up compare across runs."""
     original, schedule, wait = engine.step, engine.scheduler.schedule, LaunchedPass.wait
     plans: list[StepPlan] = []
     collecting = [0.0, 0.0]  # start of the collection under way, seconds collected this step
@@ -89,11 +93,12 @@ def step_log(engine: LLMEngine, spent: dict[str, list[float]], trace: list[dict[
         tokens = engine.scheduler.stats.scheduled_tokens
         plans.clear()
         collecting[1] = waited[0] = 0.0
-        start, cpu = time.perf_counter(), time.thread_time()
+        start, cpu, process = time.perf_counter(), time.thread_time(), time.process_time()
         try:
             return original()
         finally:
             wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+            process = time.process_time() - process
             prompt = engine.scheduler.stats.scheduled_tokens - tokens > running
             kind = "with prompt rows" if prompt else next(name for top, name in STEP_BINS if running <= top)
             spent[kind][0] += wall
@@ -108,6 +113,7 @@ def step_log(engine: LLMEngine, spent: dict[str, list[float]], trace: list[dict[
                 "gc_ms": round(collecting[1] * 1e3, 3),
                 "wait_ms": round(waited[0] * 1e3, 3),
                 "cpu_ms": round(cpu * 1e3, 3),
+                "process_cpu_ms": round(process * 1e3, 3),
             })
 
     engine.step = timed  # type: ignore[method-assign]
@@ -246,6 +252,7 @@ def main() -> None:
          "max": args.max_len, "prompt_tokens": sum(len(p) for p, _ in requests),
          "output_tokens": sum(n for _, n in requests)},
         "fingerprint": engine.fingerprint,
+        "torch_threads": torch.get_num_threads(),
         "determinism": llm.stats()["determinism"],
         "gemm_paths": llm.stats()["gemm_paths"],
         "prefix_cache_reset_per_run": not args.keep_prefix_cache,
