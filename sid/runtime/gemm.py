@@ -31,9 +31,16 @@ deterministic row keep the fast path, so normal traffic runs exactly the GEMMs i
 
 A proven path may be slow at a few rows where the fast one is not (on the H200, cuBLAS
 without a workspace took 22.7 us for one row of Qwen3-0.6B's down projection and 15.9 us
-for 8, where cuBLASLt took 16.0 for either). Since its rows keep their bits at every row
-count, such a GEMM may run padded to a cheaper row count (``Gemms.min_rows``, timed at
-start-up, ``pad_floors``): a speed choice that changes no bits, so no fingerprint records it.
+for 8, where cuBLASLt took 16.0 for either, each a graph of one GEMM). Since its rows keep
+their bits at every row count, such a GEMM may run padded to a cheaper row count
+(``Gemms.min_rows``, timed at start-up, ``pad_floors``): a speed choice that changes no bits,
+so no fingerprint records it. The floors are timed as a pass runs them, the padding's own
+copy included, in graphs of 16 GEMMs; until 2026-12-06 they were timed one GEMM a graph,
+where the graph's launch outweighs the kernels. That day a Qwen3-0.6B decode step of
+deterministic rows took 8 / 5 / 1 % longer than a normal one at batch 1 / 8 / 32 on an H200,
+and 1 % less at batch 1 and 8 on an H100, where no floor was chosen (no pad copy among the
+step's kernels); the H200's floors were not recorded, so they are the suspect, not the proven
+cause.
 
 A pass that holds deterministic rows among normal ones runs a shape whose proven path is
 *bounded* (calls of a bounded row count, the CPU's) row-selectively (``RowSplit``): only the
@@ -132,6 +139,18 @@ def run(path: GemmPath, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         return F.linear(x, weight, bias)
     padded = F.pad(x, (0, 0, 0, -rows % path.tile)) if rows % path.tile else x
     return torch.cat([F.linear(part, weight, bias) for part in padded.split(path.tile)])[:rows]
+
+
+def run_padded(
+    path: GemmPath, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int
+) -> torch.Tensor:
+    """``run`` on ``x`` padded with zero rows up to ``rows`` (when it has fewer), the padding's
+    outputs dropped: on a proven path a row keeps its bits at every proven row count, so
+    padding to one changes none."""
+    n = x.shape[0]
+    if rows <= n:
+        return run(path, x, weight, bias)
+    return run(path, F.pad(x, (0, 0, 0, rows - n)), weight, bias)[:n]
 
 
 Rows = slice | torch.Tensor
@@ -239,13 +258,8 @@ class Gemms:
     def _proven(
         self, shape: Shape, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int = 0
     ) -> torch.Tensor:
-        """``x`` through the proven path of ``shape``, padded to ``rows`` and to the shape's
-        floor: its rows keep their bits at every proven row count, so padding changes none."""
-        n = x.shape[0]
-        padded = max(n, rows, self.min_rows.get(shape, 0))
-        if padded == n:
-            return run(self.invariant[shape], x, weight, bias)
-        return run(self.invariant[shape], F.pad(x, (0, 0, 0, padded - n)), weight, bias)[:n]
+        """``x`` through the proven path of ``shape``, padded to ``rows`` and to the shape's floor."""
+        return run_padded(self.invariant[shape], x, weight, bias, max(rows, self.min_rows.get(shape, 0)))
 
     def row_parallel(self, x: torch.Tensor, layer: Linear, canonical: bool) -> torch.Tensor:
         """A row-parallel layer's partial sum on this rank. With ``k_chunks`` a pass with
@@ -438,13 +452,17 @@ def _rows_at(
 
 
 def time_gemm(
-    path: GemmPath, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, iters: int = 20
+    path: GemmPath, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int = 0,
+    iters: int = 20, calls: int = 16,
 ) -> float:
-    """Median microseconds of one GEMM of ``x``'s rows through ``path``, replayed from a CUDA graph."""
-    run(path, x, weight, bias)
+    """Median microseconds of one GEMM of ``x``'s rows through ``path`` (padded to ``rows`` as
+    ``run_padded`` pads), from a CUDA graph of ``calls`` such GEMMs in a row, so that what is
+    timed is the kernels and not the graph's launch."""
+    run_padded(path, x, weight, bias, rows)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run(path, x, weight, bias)
+        for _ in range(calls):
+            run_padded(path, x, weight, bias, rows)
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -452,8 +470,13 @@ def time_gemm(
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        times.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times)
+
+
+PAD_GAIN = 0.95
+"""A floor is taken only where it brings the small GEMMs' total time to this share of the
+unpadded total or below: a floor that timing noise alone favours costs a pad copy for nothing."""
 
 
 def pad_floors(
@@ -461,7 +484,8 @@ def pad_floors(
     rows: tuple[int, ...] = (1, 2, 4, 8, 16),
 ) -> dict[Shape, int]:
     """Per shape whose proven path is not the fast one (CUDA), the row count to pad its small
-    GEMMs up to: the floor that makes ``rows`` cheapest in all, timed on the model's weights."""
+    GEMMs up to: the floor that makes ``rows`` cheapest in all, timed on the model's weights
+    as a pass runs them (the pad included), where it beats no floor by ``PAD_GAIN``."""
     floors: dict[Shape, int] = {}
     for weight, bias in layers:
         shape = shape_of(weight, bias)
@@ -470,8 +494,13 @@ def pad_floors(
             continue
         x = torch.randn(max(rows), weight.shape[1], device=weight.device).to(weight.dtype)
         with torch.inference_mode():
-            us = {m: time_gemm(path, x[:m], weight, bias) for m in rows}
-        floors[shape] = min(rows, key=lambda floor: sum(us[max(m, floor)] for m in rows))
+            us = {(m, f): time_gemm(path, x[:m], weight, bias, f) for f in rows for m in rows if m <= f}
+
+        def total(floor: int) -> float:
+            return sum(us[m, max(m, floor)] for m in rows)
+
+        best = min(rows, key=total)
+        floors[shape] = best if total(best) <= PAD_GAIN * total(rows[0]) else rows[0]
     return {shape: floor for shape, floor in floors.items() if floor > 1}
 
 
