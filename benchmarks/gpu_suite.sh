@@ -26,6 +26,7 @@
 #          against, in the same call: git archive BASE sid benchmarks | tar -x -C .carry/base)
 #        serve_mixed (online, Llama shape: 8 req/s, 25 % deterministic, each class's TTFT / TPOT / ITL)
 #        latency_qwen latency_llama (decode step time, all deterministic vs all normal, batch 1..256 and 32k at batch 1)
+#        latency_profile (the same at batch 1 and 8, both models, one round, with each kind's GPU time by kernel)
 # Environment: REPEATS (cost_*, default 1), FRACTIONS (cost_*, default all), STEP_LOG=1 (cost_*: time steps by kind),
 #   STRATEGY (cost_*: auto, speculate, direct or whole; default auto),
 #   LLAMA_REQUESTS, PREFILL_SEQS (default 8).
@@ -114,6 +115,10 @@ step() {
       run_step allreduce_70b 200 python3 benchmarks/allreduce.py --hidden 8192 --out "$RES/70b" ;;
     latency_qwen) run_step latency_qwen 400 python3 benchmarks/latency.py --model qwen3-0.6b --rounds "${REPEATS:-1}" --out "$RES/latency_qwen" ;;
     latency_llama) run_step latency_llama 500 python3 benchmarks/latency.py --model llama-3.1-8b --rounds "${REPEATS:-1}" --out "$RES/latency_llama" ;;
+    latency_profile) for m in qwen3-0.6b llama-3.1-8b; do
+        run_step latency_profile_$m 300 python3 benchmarks/latency.py --model $m --batches 1,8 --long-context 0 --rounds 1 \
+          --profile --out "$RES/latency_profile_$m"
+      done ;;
     profile_qwen) run_step profile_qwen 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --out "$RES" ;;
     profile_qwen_lockstep) run_step profile_qwen_lockstep 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --no-async-scheduling --out "$RES/lockstep" ;;
     profile_qwen_det) run_step profile_qwen_det 200 python3 benchmarks/step_profile.py --model qwen3-0.6b --deterministic 1.0 --out "$RES/det" ;;

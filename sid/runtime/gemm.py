@@ -457,7 +457,8 @@ def time_gemm(
 ) -> float:
     """Median microseconds of one GEMM of ``x``'s rows through ``path`` (padded to ``rows`` as
     ``run_padded`` pads), from a CUDA graph of ``calls`` such GEMMs in a row, so that what is
-    timed is the kernels and not the graph's launch."""
+    timed is the kernels and not the graph's launch. A weight that fits in L2 stays there from
+    call to call, as it does not in a pass: a small shape gets its L2 times."""
     run_padded(path, x, weight, bias, rows)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
