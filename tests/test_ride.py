@@ -141,7 +141,7 @@ def test_gemms_run_only_the_canonical_rows_on_a_proven_path_that_is_not_the_fast
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A mixed pass gives its canonical rows the proven path's bits, padded to a proven size
-    and the shape's floor, and the other rows the fast path's, in one call each."""
+    and as the shape's padding table says, and the other rows the fast path's, in one call each."""
     monkeypatch.setattr(FAULTS, "fast_gemm_noise", 0.05)  # the fast path's bits depend on its row count
     gen = torch.Generator().manual_seed(0)
     down = torch.randn(384, 1024, generator=gen).bfloat16()
@@ -150,7 +150,7 @@ def test_gemms_run_only_the_canonical_rows_on_a_proven_path_that_is_not_the_fast
     sizes = PassSizes.grid(1, 512, 8, cover=True)
     assert prove(bounded, down, None, sizes.sizes) is None and prove(fast, up, None, sizes.sizes) is None
     shape = (384, 1024, False)
-    gemms = Gemms(fast, {shape: bounded, (1024, 384, False): fast}, min_rows={shape: 12}, sizes=sizes)
+    gemms = Gemms(fast, {shape: bounded, (1024, 384, False): fast}, min_rows={shape: {4: 12}}, sizes=sizes)
     calls: list[tuple[GemmPath, int]] = []
     monkeypatch.setattr(gemm, "run", lambda path, x, w, b=None: calls.append((path, len(x))) or run(path, x, w, b))
     x = torch.randn(300, 1024, generator=gen).bfloat16()
@@ -172,6 +172,24 @@ def test_gemms_run_only_the_canonical_rows_on_a_proven_path_that_is_not_the_fast
         h = x[:, :384].contiguous()
         assert torch.equal(gemms.linear(h, up), run(fast, h, up)) and calls == [(fast, 300)]  # proven = fast: one call
     assert gemms.split_of(np.ones(300, dtype=bool), x.device) is None  # every row canonical: no split
+
+
+def test_proven_gemms_pad_each_small_row_count_as_its_table_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call of n rows takes the padding timed for the smallest row count at or above n (none
+    where that count was quickest unpadded, or where n is above every count timed), and a
+    padded call gives its rows the bits of the unpadded one."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(96, 64, generator=gen).bfloat16()
+    shape, path = (96, 64, False), GemmPath("cpu")
+    assert prove(path, w, None, range(1, 17)) is None
+    gemms = Gemms(path, {shape: path}, min_rows={shape: {1: 8, 2: 2, 4: 8, 8: 16}})
+    assert [gemms.padded_rows(shape, n) for n in (1, 2, 3, 4, 5, 8, 9, 16)] == [8, 2, 8, 8, 16, 16, 9, 16]
+    assert gemms.padded_rows((64, 96, False), 1) == 1  # a shape that pads nothing
+    calls: list[int] = []
+    monkeypatch.setattr(gemm, "run", lambda p, x, w, b=None: calls.append(len(x)) or run(p, x, w, b))
+    gemms.select(True)
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    assert torch.equal(gemms.linear(x, w), run(path, x, w)) and calls == [16]
 
 
 def test_a_one_call_proven_path_runs_every_row_of_a_mixed_pass(monkeypatch: pytest.MonkeyPatch) -> None:

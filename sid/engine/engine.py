@@ -31,7 +31,7 @@ from sid.model.loader import build_model
 from sid.outputs import RequestOutput
 from sid.runtime.attention import PagedKVCache, get_backend
 from sid.runtime.cuda_graphs import GraphSpec, decode_buckets
-from sid.runtime.gemm import CPU_TILE, candidates, fast_path, pad_floors, prove_families, prove_plan, shape_of
+from sid.runtime.gemm import CPU_TILE, candidates, fast_path, padding_tables, prove_families, prove_plan, shape_of
 from sid.runtime.model_runner import ChunkResult, ModelRunner, placeholder
 from sid.runtime.piecewise_graphs import piece_buckets
 from sid.runtime.tp_worker import TPWorkers
@@ -213,7 +213,7 @@ class LLMEngine:
         if families.shapes:
             pieces = {shape_of(w, None) for w in self.model.chunk_weights()}
             gemms.tp_free = families.names | {f"chunk {o}x{i}": str(plan[o, i, b]) for o, i, b in sorted(pieces)}
-        gemms.min_rows = pad_floors(plan, self.model.gemm_weights(), gemms.fast)
+        gemms.min_rows = padding_tables(plan, self.model.gemm_weights(), gemms.fast)
         if self.workers is not None:
             self.workers.set_gemms(gemms)
         self.canonical = sizes
@@ -306,7 +306,10 @@ class LLMEngine:
             "canonical_passes": sched.canonical_passes,
             "determinism": "ride" if self.ride else "windowed",
             "gemm_paths": self.model.gemms.describe(),
-            "gemm_min_rows": {f"{o}x{i}": rows for (o, i, _), rows in self.model.gemms.min_rows.items()},
+            "gemm_min_rows": {
+                f"{o}x{i}": {m: rows for m, rows in table.items() if rows > m}
+                for (o, i, _), table in self.model.gemms.min_rows.items()
+            },
             "canonical_pass_sizes": list(self.canonical.sizes),
             "canonical_rows_used": sched.canonical_rows_used,
             "canonical_rows_padded": sched.canonical_rows_padded,

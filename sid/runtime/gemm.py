@@ -33,14 +33,16 @@ A proven path may be slow at a few rows where the fast one is not (on the H200, 
 without a workspace took 22.7 us for one row of Qwen3-0.6B's down projection and 15.9 us
 for 8, where cuBLASLt took 16.0 for either, each a graph of one GEMM). Since its rows keep
 their bits at every row count, such a GEMM may run padded to a cheaper row count
-(``Gemms.min_rows``, timed at start-up, ``pad_floors``): a speed choice that changes no bits,
-so no fingerprint records it. The floors are timed as a pass runs them, the padding's own
-copy included, in graphs of 16 GEMMs; until 2026-12-06 they were timed one GEMM a graph,
-where the graph's launch outweighs the kernels. That day a Qwen3-0.6B decode step of
-deterministic rows took 8 / 5 / 1 % longer than a normal one at batch 1 / 8 / 32 on an H200,
-and 1 % less at batch 1 and 8 on an H100, where no floor was chosen (no pad copy among the
-step's kernels); the H200's floors were not recorded, so they are the suspect, not the proven
-cause.
+(``Gemms.min_rows``, timed at start-up, ``padding_tables``): a speed choice that changes no bits,
+so no fingerprint records it. Each small row count gets its own choice, timed as a pass runs
+it, the padding's own copy included, in graphs of 16 GEMMs. Until 2026-12-06 one floor per
+shape served every row count, chosen for their sum from one GEMM a graph, where the graph's
+launch outweighs the kernels. That day a decode step of deterministic rows took 8 / 5 / 1 %
+longer than a normal one at batch 1 / 8 / 32 on an H200 for Qwen3-0.6B, and for Llama-3.1-8B
+3 % longer at batch 1 but 2 % shorter at batch 8, as a floor that suits 8 rows and not 1
+would; on an H100, where no floor was chosen (no pad copy among the step's kernels), Qwen's
+took 1 % less at batch 1 and 8. The H200's floors were not recorded, so they are the suspect,
+not the proven cause.
 
 A pass that holds deterministic rows among normal ones runs a shape whose proven path is
 *bounded* (calls of a bounded row count, the CPU's) row-selectively (``RowSplit``): only the
@@ -191,7 +193,7 @@ class RowSplit:
     count: int
     """How many rows are canonical (0: the fast path serves every row)."""
     proven_rows: int
-    """The proven call's row count (before the shape's ``min_rows`` floor): a proven size of at least ``count``."""
+    """The proven call's row count (before the shape's ``min_rows`` padding): a proven size of at least ``count``."""
 
 
 @dataclass
@@ -205,8 +207,9 @@ class Gemms:
     use_invariant: bool = False
     split: RowSplit | None = None
     """With ``use_invariant``: the rows that need the proven paths; None = every row."""
-    min_rows: dict[Shape, int] = field(default_factory=dict)
-    """Row counts that proven GEMMs of a shape are padded up to, where that is quicker."""
+    min_rows: dict[Shape, dict[int, int]] = field(default_factory=dict)
+    """Per shape, ``{m: rows}``: a proven GEMM of at most ``m`` rows (the smallest such ``m``)
+    runs padded to ``rows`` where that is more than its own; more rows than every ``m``, unpadded."""
     sizes: PassSizes | None = None
     """The row counts the proof covered (with ``invariant``)."""
     k_chunks: int | None = None
@@ -258,8 +261,14 @@ class Gemms:
     def _proven(
         self, shape: Shape, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int = 0
     ) -> torch.Tensor:
-        """``x`` through the proven path of ``shape``, padded to ``rows`` and to the shape's floor."""
-        return run_padded(self.invariant[shape], x, weight, bias, max(rows, self.min_rows.get(shape, 0)))
+        """``x`` through the proven path of ``shape``, padded to ``rows`` and as ``min_rows`` says."""
+        return run_padded(self.invariant[shape], x, weight, bias, max(rows, self.padded_rows(shape, x.shape[0])))
+
+    def padded_rows(self, shape: Shape, n: int) -> int:
+        """How many rows a proven GEMM of ``shape`` on ``n`` rows runs (``min_rows``)."""
+        table = self.min_rows.get(shape, {})
+        m = min((m for m in table if m >= n), default=None)
+        return n if m is None or table[m] <= m else table[m]
 
     def row_parallel(self, x: torch.Tensor, layer: Linear, canonical: bool) -> torch.Tensor:
         """A row-parallel layer's partial sum on this rank. With ``k_chunks`` a pass with
@@ -476,33 +485,31 @@ def time_gemm(
 
 
 PAD_GAIN = 0.95
-"""A floor is taken only where it brings the small GEMMs' total time to this share of the
-unpadded total or below: a floor that timing noise alone favours costs a pad copy for nothing."""
+"""A row count is padded only where that brings its GEMM's time to this share of the unpadded
+time or below: padding that timing noise alone favours costs a pad copy for nothing."""
 
 
-def pad_floors(
+def padding_tables(
     plan: dict[Shape, GemmPath], layers: Iterable[tuple[torch.Tensor, torch.Tensor | None]], fast: GemmPath,
     rows: tuple[int, ...] = (1, 2, 4, 8, 16),
-) -> dict[Shape, int]:
-    """Per shape whose proven path is not the fast one (CUDA), the row count to pad its small
-    GEMMs up to: the floor that makes ``rows`` cheapest in all, timed on the model's weights
-    as a pass runs them (the pad included), where it beats no floor by ``PAD_GAIN``."""
-    floors: dict[Shape, int] = {}
+) -> dict[Shape, dict[int, int]]:
+    """Per shape whose proven path is not the fast one (CUDA), what each of ``rows`` (the
+    proven sizes a decode graph or a few deterministic rows run) is padded to (``Gemms.min_rows``):
+    the larger of ``rows`` whose GEMM is quickest, timed on the model's weights as a pass runs
+    it (the pad included), where it beats no padding by ``PAD_GAIN``. Shapes that pad no row
+    count are left out."""
+    tables: dict[Shape, dict[int, int]] = {}
     for weight, bias in layers:
         shape = shape_of(weight, bias)
         path = plan[shape]
-        if not weight.is_cuda or path == fast or shape in floors:
+        if not weight.is_cuda or path == fast or shape in tables:
             continue
         x = torch.randn(max(rows), weight.shape[1], device=weight.device).to(weight.dtype)
         with torch.inference_mode():
             us = {(m, f): time_gemm(path, x[:m], weight, bias, f) for f in rows for m in rows if m <= f}
-
-        def total(floor: int) -> float:
-            return sum(us[m, max(m, floor)] for m in rows)
-
-        best = min(rows, key=total)
-        floors[shape] = best if total(best) <= PAD_GAIN * total(rows[0]) else rows[0]
-    return {shape: floor for shape, floor in floors.items() if floor > 1}
+        best = {m: min((f for f in rows if f >= m), key=lambda f, m=m: us[m, f]) for m in rows}
+        tables[shape] = {m: f if us[m, f] <= PAD_GAIN * us[m, m] else m for m, f in best.items()}
+    return {shape: table for shape, table in tables.items() if any(f > m for m, f in table.items())}
 
 
 def prove_plan(
