@@ -177,12 +177,12 @@ def main() -> None:
     stats = engine.get_stats()
     meta = {"model": args.model or engine.config.model, "device": str(engine.device), "dtype": str(engine.dtype),
             "determinism": stats["determinism"], "gemm_paths": stats["gemm_paths"],
-            "gemm_min_rows": stats["gemm_min_rows"], "fingerprint": engine.fingerprint,
+            "gemm_padding": stats["gemm_padding"], "fingerprint": engine.fingerprint,
             "rounds": args.rounds, "tp_invariant_chunks": args.tp_invariant_chunks,
             "tensor_parallel_size": args.tensor_parallel_size, "enforce_eager": args.enforce_eager}
     path = write_json("latency", {**meta, "rows": rows, "profiles": profiles}, args.out)
     print(f"{meta['model']} on {meta['device']} ({meta['dtype']}), deterministic rows: {meta['determinism']}, "
-          f"proven GEMMs padded to {meta['gemm_min_rows'] or 'no floor'}")
+          f"proven GEMMs' padding {meta['gemm_padding'] or 'none'}")
     unit = "GPU us per decode step by kernel" if meta["device"].startswith("cuda") else "CPU us per step by operator"
     for case in profiles:
         print(f"{unit}, batch {case['batch']} at {case['context']} tokens:")

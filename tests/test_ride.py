@@ -150,7 +150,7 @@ def test_gemms_run_only_the_canonical_rows_on_a_proven_path_that_is_not_the_fast
     sizes = PassSizes.grid(1, 512, 8, cover=True)
     assert prove(bounded, down, None, sizes.sizes) is None and prove(fast, up, None, sizes.sizes) is None
     shape = (384, 1024, False)
-    gemms = Gemms(fast, {shape: bounded, (1024, 384, False): fast}, min_rows={shape: {4: 12}}, sizes=sizes)
+    gemms = Gemms(fast, {shape: bounded, (1024, 384, False): fast}, padding={shape: {4: 12}}, sizes=sizes)
     calls: list[tuple[GemmPath, int]] = []
     monkeypatch.setattr(gemm, "run", lambda path, x, w, b=None: calls.append((path, len(x))) or run(path, x, w, b))
     x = torch.randn(300, 1024, generator=gen).bfloat16()
@@ -182,7 +182,7 @@ def test_proven_gemms_pad_each_small_row_count_as_its_table_says(monkeypatch: py
     w = torch.randn(96, 64, generator=gen).bfloat16()
     shape, path = (96, 64, False), GemmPath("cpu")
     assert prove(path, w, None, range(1, 17)) is None
-    gemms = Gemms(path, {shape: path}, min_rows={shape: {1: 8, 2: 2, 4: 8, 8: 16}})
+    gemms = Gemms(path, {shape: path}, padding={shape: {1: 8, 2: 2, 4: 8, 8: 16}})
     assert [gemms.padded_rows(shape, n) for n in (1, 2, 3, 4, 5, 8, 9, 16)] == [8, 2, 8, 8, 16, 16, 9, 16]
     assert gemms.padded_rows((64, 96, False), 1) == 1  # a shape that pads nothing
     calls: list[int] = []

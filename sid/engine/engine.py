@@ -213,7 +213,7 @@ class LLMEngine:
         if families.shapes:
             pieces = {shape_of(w, None) for w in self.model.chunk_weights()}
             gemms.tp_free = families.names | {f"chunk {o}x{i}": str(plan[o, i, b]) for o, i, b in sorted(pieces)}
-        gemms.min_rows = padding_tables(plan, self.model.gemm_weights(), gemms.fast)
+        gemms.padding = padding_tables(plan, self.model.gemm_weights(), gemms.fast)
         if self.workers is not None:
             self.workers.set_gemms(gemms)
         self.canonical = sizes
@@ -306,9 +306,9 @@ class LLMEngine:
             "canonical_passes": sched.canonical_passes,
             "determinism": "ride" if self.ride else "windowed",
             "gemm_paths": self.model.gemms.describe(),
-            "gemm_min_rows": {
+            "gemm_padding": {
                 f"{o}x{i}": {m: rows for m, rows in table.items() if rows > m}
-                for (o, i, _), table in self.model.gemms.min_rows.items()
+                for (o, i, _), table in self.model.gemms.padding.items()
             },
             "canonical_pass_sizes": list(self.canonical.sizes),
             "canonical_rows_used": sched.canonical_rows_used,

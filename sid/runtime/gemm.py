@@ -33,7 +33,7 @@ A proven path may be slow at a few rows where the fast one is not (on the H200, 
 without a workspace took 22.7 us for one row of Qwen3-0.6B's down projection and 15.9 us
 for 8, where cuBLASLt took 16.0 for either, each a graph of one GEMM). Since its rows keep
 their bits at every row count, such a GEMM may run padded to a cheaper row count
-(``Gemms.min_rows``, timed at start-up, ``padding_tables``): a speed choice that changes no bits,
+(``Gemms.padding``, timed at start-up, ``padding_tables``): a speed choice that changes no bits,
 so no fingerprint records it. Each small row count gets its own choice, timed as a pass runs
 it, the padding's own copy included, in graphs of 16 GEMMs. Until 2026-12-06 one floor per
 shape served every row count, chosen for their sum from one GEMM a graph, where the graph's
@@ -193,7 +193,7 @@ class RowSplit:
     count: int
     """How many rows are canonical (0: the fast path serves every row)."""
     proven_rows: int
-    """The proven call's row count (before the shape's ``min_rows`` padding): a proven size of at least ``count``."""
+    """The proven call's row count (before the shape's ``padding`` padding): a proven size of at least ``count``."""
 
 
 @dataclass
@@ -207,7 +207,7 @@ class Gemms:
     use_invariant: bool = False
     split: RowSplit | None = None
     """With ``use_invariant``: the rows that need the proven paths; None = every row."""
-    min_rows: dict[Shape, dict[int, int]] = field(default_factory=dict)
+    padding: dict[Shape, dict[int, int]] = field(default_factory=dict)
     """Per shape, ``{m: rows}``: a proven GEMM of at most ``m`` rows (the smallest such ``m``)
     runs padded to ``rows`` where that is more than its own; more rows than every ``m``, unpadded."""
     sizes: PassSizes | None = None
@@ -261,12 +261,12 @@ class Gemms:
     def _proven(
         self, shape: Shape, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int = 0
     ) -> torch.Tensor:
-        """``x`` through the proven path of ``shape``, padded to ``rows`` and as ``min_rows`` says."""
+        """``x`` through the proven path of ``shape``, padded to ``rows`` and as ``padding`` says."""
         return run_padded(self.invariant[shape], x, weight, bias, max(rows, self.padded_rows(shape, x.shape[0])))
 
     def padded_rows(self, shape: Shape, n: int) -> int:
-        """How many rows a proven GEMM of ``shape`` on ``n`` rows runs (``min_rows``)."""
-        table = self.min_rows.get(shape, {})
+        """How many rows a proven GEMM of ``shape`` on ``n`` rows runs (``padding``)."""
+        table = self.padding.get(shape, {})
         m = min((m for m in table if m >= n), default=None)
         return n if m is None or table[m] <= m else table[m]
 
@@ -494,7 +494,7 @@ def padding_tables(
     rows: tuple[int, ...] = (1, 2, 4, 8, 16),
 ) -> dict[Shape, dict[int, int]]:
     """Per shape whose proven path is not the fast one (CUDA), what each of ``rows`` (the
-    proven sizes a decode graph or a few deterministic rows run) is padded to (``Gemms.min_rows``):
+    proven sizes a decode graph or a few deterministic rows run) is padded to (``Gemms.padding``):
     the larger of ``rows`` whose GEMM is quickest, timed on the model's weights as a pass runs
     it (the pad included), where it beats no padding by ``PAD_GAIN``. Shapes that pad no row
     count are left out."""

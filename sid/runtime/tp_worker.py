@@ -132,7 +132,7 @@ def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore, control: ControlRe
         if kind == STOP:
             break
         if kind == GEMMS:
-            model.gemms.invariant, model.gemms.min_rows, model.gemms.sizes = pickle.loads(store.get(f"{_KEY}/gemms"))
+            model.gemms.invariant, model.gemms.padding, model.gemms.sizes = pickle.loads(store.get(f"{_KEY}/gemms"))
         elif kind == KV_CACHE:
             assert isinstance(arg, int)
             runner = None  # free the old cache before allocating the new one
@@ -230,7 +230,7 @@ class TPWorkers:
         """Every worker takes rank 0's proven GEMM paths, pad floors and proven row counts
         (its shard has rank 0's shapes)."""
         self._raise_if_dead()
-        self.store.set(f"{_KEY}/gemms", pickle.dumps((gemms.invariant, gemms.min_rows, gemms.sizes)))
+        self.store.set(f"{_KEY}/gemms", pickle.dumps((gemms.invariant, gemms.padding, gemms.sizes)))
         self.control.send(GEMMS)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
