@@ -27,6 +27,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -46,10 +47,10 @@ PROFILED_STEPS = 32
 
 def decode_step_ms(
     engine: LLMEngine, batch: int, context: int, new_tokens: int, deterministic: bool, kernels: bool = False
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Median and mean ms of the run's decode steps, and how many there were; with ``kernels``,
-    also each kernel's GPU microseconds (on a CPU: each operator's) per decode step over ``PROFILED_STEPS`` of them
-    (``kernel_us``)."""
+    also each kernel's GPU microseconds (on a CPU: each operator's) per decode step, over the
+    ``PROFILED_STEPS`` after the skipped ones (``kernel_us``)."""
     rng = random.Random(batch * 7919 + context)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, deterministic=deterministic)
@@ -62,22 +63,18 @@ def decode_step_ms(
     while engine.has_unfinished_requests():
         running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
         scheduled = engine.scheduler.stats.scheduled_tokens
-        decode = running == batch and not engine.scheduler.waiting and all(
-            len(r.token_ids) - r.num_computed_tokens == 1 for r in engine.scheduler.running
-        )
-        if prof is not None and decode and len(times) == SKIP_STEPS and not recording:
-            _synchronize(cuda)
-            prof.start()
-            recording = True
         start = time.perf_counter()
         engine.step()
         elapsed = time.perf_counter() - start
         if engine.scheduler.stats.scheduled_tokens - scheduled == running == batch:
             times.append(elapsed * 1e3)
-        if recording and len(times) == SKIP_STEPS + PROFILED_STEPS:
-            _synchronize(cuda)
-            prof.stop()  # type: ignore[union-attr]
-            recording = False
+            if prof is not None and len(times) in (SKIP_STEPS, SKIP_STEPS + PROFILED_STEPS):
+                _synchronize(cuda)
+                if recording:
+                    prof.stop()
+                else:
+                    prof.start()
+                recording = not recording
     engine.reset_prefix_cache()
     if not times:
         raise ValueError(
@@ -85,7 +82,7 @@ def decode_step_ms(
             f"ended; give more than {new_tokens} new tokens"
         )
     kept = times[SKIP_STEPS:] or times
-    result: dict[str, object] = {"ms": statistics.median(kept), "mean_ms": statistics.fmean(kept), "steps": len(kept)}
+    result: dict[str, Any] = {"ms": statistics.median(kept), "mean_ms": statistics.fmean(kept), "steps": len(kept)}
     if prof is not None:
         if recording:  # the run had fewer decode steps
             _synchronize(cuda)
@@ -100,7 +97,7 @@ def decode_step_ms(
             elif event.device_type == torch.autograd.DeviceType.CUDA:
                 per_kernel[event.name] += event.device_time / profiled
         result["kernel_us"] = dict(per_kernel)
-    return result  # type: ignore[return-value]
+    return result
 
 
 def _synchronize(cuda: bool) -> None:
@@ -108,16 +105,16 @@ def _synchronize(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def kernel_differences(normal: dict[str, float], det: dict[str, float], top: int = 12) -> list[dict[str, object]]:
+def kernel_differences(normal: dict[str, float], det: dict[str, float], top: int = 12) -> list[dict[str, Any]]:
     """The kernels whose GPU time per step differs most between the two kinds of step, and the totals."""
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"kernel": name[:70], "normal_us": normal.get(name, 0.0), "deterministic_us": det.get(name, 0.0),
          "difference_us": det.get(name, 0.0) - normal.get(name, 0.0)}
         for name in normal.keys() | det.keys()
     ]
-    rows.sort(key=lambda r: -abs(r["difference_us"]))  # type: ignore[operator]
-    total = {"kernel": "all kernels", "normal_us": sum(normal.values()), "deterministic_us": sum(det.values())}
-    total["difference_us"] = total["deterministic_us"] - total["normal_us"]  # type: ignore[operator]
+    rows.sort(key=lambda r: -abs(r["difference_us"]))
+    busy = {"normal_us": sum(normal.values()), "deterministic_us": sum(det.values())}
+    total = {"kernel": "all kernels", **busy, "difference_us": busy["deterministic_us"] - busy["normal_us"]}
     return [total, *rows[:top]]
 
 
@@ -172,8 +169,7 @@ def main() -> None:
             normal, det = (
                 decode_step_ms(engine, batch, context, new_tokens, d, kernels=True)["kernel_us"] for d in (False, True)
             )
-            profiles.append({"batch": batch, "context": context,
-                             "kernels": kernel_differences(normal, det)})  # type: ignore[arg-type]
+            profiles.append({"batch": batch, "context": context, "kernels": kernel_differences(normal, det)})
     stats = engine.get_stats()
     meta = {"model": args.model or engine.config.model, "device": str(engine.device), "dtype": str(engine.dtype),
             "determinism": stats["determinism"], "gemm_paths": stats["gemm_paths"],

@@ -193,7 +193,7 @@ class RowSplit:
     count: int
     """How many rows are canonical (0: the fast path serves every row)."""
     proven_rows: int
-    """The proven call's row count (before the shape's ``padding`` padding): a proven size of at least ``count``."""
+    """The proven call's row count (before the shape's ``padding``): a proven size of at least ``count``."""
 
 
 @dataclass
