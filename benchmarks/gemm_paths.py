@@ -57,10 +57,11 @@ SMOKE = {"tiny-pycode-llama": shapes(384, 1024, 6, 2, 64, 8192)}
 
 
 def timed(path: GemmPath, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, m: int) -> float:
-    """Microseconds of one GEMM of ``m`` rows: on a GPU from a CUDA graph of 16 of them (``time_gemm``)."""
+    """Microseconds of one GEMM of ``m`` rows: on a GPU from a CUDA graph of 16 of them on one
+    weight (``time_gemm``)."""
     xm = x[:m].contiguous()
     if x.is_cuda:
-        return time_gemm(path, xm, w, b)
+        return time_gemm(path, xm, [(w, b)])
     start = time.perf_counter()
     run(path, xm, w, b)
     return (time.perf_counter() - start) * 1e6

@@ -173,11 +173,12 @@ def main() -> None:
     stats = engine.get_stats()
     meta = {"model": args.model or engine.config.model, "device": str(engine.device), "dtype": str(engine.dtype),
             "determinism": stats["determinism"], "gemm_paths": stats["gemm_paths"],
-            "gemm_padding": stats["gemm_padding"], "fingerprint": engine.fingerprint,
+            "gemm_fast": stats["gemm_fast"], "gemm_padding": stats["gemm_padding"], "fingerprint": engine.fingerprint,
             "rounds": args.rounds, "tp_invariant_chunks": args.tp_invariant_chunks,
             "tensor_parallel_size": args.tensor_parallel_size, "enforce_eager": args.enforce_eager}
     path = write_json("latency", {**meta, "rows": rows, "profiles": profiles}, args.out)
     print(f"{meta['model']} on {meta['device']} ({meta['dtype']}), deterministic rows: {meta['determinism']}, "
+          f"fast lane's other paths {meta['gemm_fast'] or 'none'}, "
           f"proven GEMMs' padding {meta['gemm_padding'] or 'none'}")
     unit = "GPU us per decode step by kernel" if meta["device"].startswith("cuda") else "CPU us per step by operator"
     for case in profiles:

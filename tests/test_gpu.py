@@ -14,6 +14,8 @@ import torch
 from sid import LLM, SamplingParams
 from sid.engine.plan import ScheduledChunk
 from sid.engine.windowed import MeasuredPassCost
+from sid.runtime import gemm
+from sid.runtime.gemm import shape_of
 from tests.test_models import record_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU twins run in CI)")
@@ -81,6 +83,30 @@ def test_deterministic_request_is_identical_alone_and_under_load_in_bf16(trained
         )
         assert (outs[30].outputs[0].token_ids, outs[30].outputs[0].logprobs, outs[30].fingerprint) == alone, strategy
     assert windowed.stats()["verifications"] > 0
+
+
+def test_riding_rows_keep_their_bits_whatever_paths_the_fast_lane_takes(
+    trained_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast lane's quick GEMM paths (timed at start-up; here also forced to cuBLAS at every
+    small row count of every shape, where most proven paths are cuBLASLt) reach no
+    deterministic row: its bits and fingerprint are those of an engine with the timed table."""
+    llm = LLM(str(trained_model), gpu_memory_utilization=0.3)
+    assert all(p == "cublas" for table in llm.stats()["gemm_fast"].values() for p in table.values())
+    det = SamplingParams(max_tokens=48, temperature=0, logprobs=2, ignore_eos=True, deterministic=True)
+    first = llm.generate(PROMPTS[0], det, use_tqdm=False)[0]
+    alone = (first.outputs[0].token_ids, first.outputs[0].logprobs, first.fingerprint)
+    del llm
+    monkeypatch.setattr(
+        gemm, "quick_tables",
+        lambda layers, fast, others: {shape_of(w, b): dict.fromkeys(gemm.SMALL_ROWS, others[0]) for w, b in layers},
+    )
+    forced = LLM(str(trained_model), gpu_memory_utilization=0.3)
+    assert forced.llm_engine.ride and forced.stats()["gemm_fast"]
+    crowd = [p * (i + 1) for i, p in enumerate(PROMPTS * 6)]
+    params = [SamplingParams(max_tokens=16 + i, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(crowd))]
+    outs = forced.generate([*crowd[:12], PROMPTS[0], *crowd[12:]], [*params[:12], det, *params[12:]], use_tqdm=False)
+    assert (outs[12].outputs[0].token_ids, outs[12].outputs[0].logprobs, outs[12].fingerprint) == alone
 
 
 def test_canonical_graph_gives_the_eager_canonical_pass_bits(trained_model: Path) -> None:

@@ -192,6 +192,37 @@ def test_proven_gemms_pad_each_small_row_count_as_its_table_says(monkeypatch: py
     assert torch.equal(gemms.linear(x, w), run(path, x, w)) and calls == [16]
 
 
+def test_the_fast_lane_takes_its_quick_path_by_row_count_but_never_in_a_canonical_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fast-lane call of n rows takes the path timed quickest for the smallest power of two
+    at or above n (``fast`` above every count timed, and for shapes without a table); a
+    canonical pass on the fast path keeps ``fast`` at every row count; and a lane with such
+    a table no longer counts as running its proven paths."""
+    gen = torch.Generator().manual_seed(3)
+    w, other = torch.randn(96, 64, generator=gen).bfloat16(), torch.randn(64, 64, generator=gen).bfloat16()
+    fast, tiled, bounded = GemmPath("cpu"), GemmPath("cpu", tile=16), GemmPath("cpu", max_rows=32)
+    gemms = Gemms(fast, {(96, 64, False): fast, (64, 64, False): fast})
+    assert gemms.fast_is_proven()
+    gemms.quick = {(96, 64, False): {1: tiled, 2: fast, 4: bounded, 8: fast, 16: fast, 32: fast, 64: tiled}}
+    assert not gemms.fast_is_proven()
+    calls: list[GemmPath] = []
+    monkeypatch.setattr(gemm, "run", lambda p, x, w, b=None: calls.append(p) or run(p, x, w, b))
+    gemms.select(False)
+    for n, expected in ((1, tiled), (2, fast), (3, bounded), (4, bounded), (5, fast), (33, tiled), (64, tiled),
+                        (65, fast)):
+        calls.clear()
+        x = torch.randn(n, 64, generator=gen).bfloat16()
+        assert torch.equal(gemms.linear(x, w), run(expected, x, w)) and calls == [expected], n
+    calls.clear()
+    gemms.linear(torch.randn(1, 64, generator=gen).bfloat16(), other)
+    assert calls == [fast]  # a shape without a table
+    gemms.select(False, canonical=True)
+    calls.clear()
+    gemms.linear(torch.randn(1, 64, generator=gen).bfloat16(), w)
+    assert calls == [fast]
+
+
 def test_a_one_call_proven_path_runs_every_row_of_a_mixed_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the proven path is one call (cuBLAS on a GPU), a mixed pass runs all its rows on it,
     in one call: a split would cost two calls and the row gathers; a pass without canonical

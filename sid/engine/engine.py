@@ -31,7 +31,7 @@ from sid.model.loader import build_model
 from sid.outputs import RequestOutput
 from sid.runtime.attention import PagedKVCache, get_backend
 from sid.runtime.cuda_graphs import GraphSpec, decode_buckets
-from sid.runtime.gemm import CPU_TILE, candidates, fast_path, padding_tables, prove_families, prove_plan, shape_of
+from sid.runtime.gemm import CPU_TILE, candidates, padding_tables, prove_families, prove_plan, shape_of
 from sid.runtime.model_runner import ChunkResult, ModelRunner, placeholder
 from sid.runtime.piecewise_graphs import piece_buckets
 from sid.runtime.tp_worker import TPWorkers
@@ -98,7 +98,7 @@ class LLMEngine:
             seed=config.seed,
             tp=self.workers.group if self.workers is not None else None,
         )
-        self.model.gemms.fast = fast_path(self.device)
+        self.model.gemms.set_fast(self.device, self.model.gemm_weights())
         if config.tp_invariant_chunks is not None:
             self.model.split_row_parallel(config.tp_invariant_chunks)
         if self.workers is not None:
@@ -173,7 +173,7 @@ class LLMEngine:
             max_blocks=cdiv(self.max_positions, config.block_size),
             max_seq_len=self.max_positions,
             riding=self.ride,
-            invariant_decode=self.ride and any(p != self.model.gemms.fast for p in (invariant or {}).values()),
+            invariant_decode=self.ride and not self.model.gemms.fast_is_proven(),
             canonical_invariant=invariant is not None,
             piece_buckets=tuple(piece_buckets(config.max_num_batched_tokens, riding_sizes)) if pieces else (),
             pieces_invariant=self.ride,
@@ -306,10 +306,7 @@ class LLMEngine:
             "canonical_passes": sched.canonical_passes,
             "determinism": "ride" if self.ride else "windowed",
             "gemm_paths": self.model.gemms.describe(),
-            "gemm_padding": {
-                f"{o}x{i}": {m: rows for m, rows in table.items() if rows > m}
-                for (o, i, _), table in self.model.gemms.padding.items()
-            },
+            **self.model.gemms.describe_choices(),
             "canonical_pass_sizes": list(self.canonical.sizes),
             "canonical_rows_used": sched.canonical_rows_used,
             "canonical_rows_padded": sched.canonical_rows_padded,

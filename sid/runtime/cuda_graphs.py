@@ -169,7 +169,7 @@ class CUDAGraphs:
         deterministic ones as eager passes do on a bounded path (``RowSplit``): which rows
         those are changes from replay to replay, and a graph's shapes cannot."""
         self.kv_cache.meta = self._meta(shape)
-        self.model.gemms.select(shape.invariant)
+        self.model.gemms.select(shape.invariant, canonical=shape.canonical)
         hidden = self.model(self.input_ids[: shape.rows], self.positions[: shape.rows], self.kv_cache)
         return self.model.compute_logits(hidden)
 

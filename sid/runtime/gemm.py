@@ -27,7 +27,14 @@ per shape, at every pass size it will use (``prove``), and the fingerprint recor
 
 Per shape the first candidate that proves invariant is taken: a fixed order, never a timing,
 so a machine always makes the same choice and its fingerprint stays put. Passes that hold no
-deterministic row keep the fast path, so normal traffic runs exactly the GEMMs it ran before.
+deterministic row keep the fast lane's paths, so normal traffic runs the GEMMs it would run
+without determinism.
+
+The fast lane's bits are free, so on a GPU it may take, per shape and small row count, the
+quicker of the two libraries (``Gemms.quick``, timed at start-up on the model's weights,
+``quick_tables``): cuBLAS without a split-K workspace beats cuBLASLt on some shapes at a few
+rows. A canonical pass on the fast path (where no path proves invariant) keeps ``fast`` at
+every row count: the fingerprint names it.
 
 A proven path may be slow at a few rows where the fast one is not (on the H200, cuBLAS
 without a workspace took 22.7 us for one row of Qwen3-0.6B's down projection and 15.9 us
@@ -82,6 +89,12 @@ CPU_TILE = 16
 """Rows per GEMM call of the CPU's tiled path: small passes pad to it, large ones loop over it."""
 CPU_MAX_ROWS = 32
 """Rows per GEMM call at most of the CPU's bounded path (``cpu:max32``), tried before the tiled one."""
+SMALL_ROWS = (1, 2, 4, 8, 16, 32, 64)
+"""The row counts whose GEMMs start-up times for a choice of path (``quick_tables``) or padding
+(``padding_tables``, the first five): decode graphs' batches and a few deterministic rows. A
+pass of more rows takes its shape's one path: from 128 rows on, the two paths of a GPU took
+about the same time (DESIGN 1b)."""
+
 PROOF_ELEMENTS = 1 << 18
 """Outputs on which ``prove`` compares each row count at least where a GEMM rounds its float32
 sums to a narrower dtype: there a change of summation order with the row count shows in few
@@ -146,13 +159,16 @@ def run(path: GemmPath, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 def run_padded(
     path: GemmPath, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int
 ) -> torch.Tensor:
-    """``run`` on ``x`` padded with zero rows up to ``rows`` (when it has fewer), the padding's
-    outputs dropped: on a proven path a row keeps its bits at every proven row count, so
-    padding to one changes none."""
+    """``run`` on ``x`` padded up to ``rows`` (when it has fewer), the padding's outputs
+    dropped: on a proven path a row keeps its bits at every proven row count, so padding to
+    one changes none. The padding is left unset: a GEMM's output row reads its own input row
+    alone, so no zero fill is launched."""
     n = x.shape[0]
     if rows <= n:
         return run(path, x, weight, bias)
-    return run(path, F.pad(x, (0, 0, 0, rows - n)), weight, bias)[:n]
+    padded = x.new_empty(rows, x.shape[1])  # the padding rows' values reach no other row's output
+    padded[:n] = x
+    return run(path, padded, weight, bias)[:n]
 
 
 Rows = slice | torch.Tensor
@@ -207,6 +223,13 @@ class Gemms:
     use_invariant: bool = False
     split: RowSplit | None = None
     """With ``use_invariant``: the rows that need the proven paths; None = every row."""
+    quick: dict[Shape, dict[int, GemmPath]] = field(default_factory=dict)
+    """Per shape, ``{m: path}``: the fast lane's GEMM of at most ``m`` rows (the smallest such
+    ``m``, a power of two) takes ``path`` instead of ``fast`` (``quick_tables``, GPU); more rows
+    than every ``m``, ``fast``. Never in a canonical pass on the fast path, whose path the
+    fingerprint names."""
+    canonical: bool = False
+    """The GEMMs to come are a canonical pass's (``select``)."""
     padding: dict[Shape, dict[int, int]] = field(default_factory=dict)
     """Per shape, ``{m: rows}``: a proven GEMM of at most ``m`` rows (the smallest such ``m``)
     runs padded to ``rows`` where that is more than its own; more rows than every ``m``, unpadded."""
@@ -221,11 +244,24 @@ class Gemms:
     row's bits, named without the TP size (the column-parallel GEMMs by the whole model's
     shapes, the row-parallel chunks by theirs), for a fingerprint that holds at every TP size."""
 
-    def select(self, invariant: bool, split: RowSplit | None = None) -> None:
+    def set_fast(self, device: torch.device, layers: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """The fast lane's paths on ``device``: ``fast_path``, and on a GPU the ``quick`` table
+        timed on the model's ``layers``."""
+        self.fast = fast_path(device)
+        others = tuple(p for p in candidates(device, CPU_TILE) if p != self.fast and not p.bounded)
+        self.quick = quick_tables(layers, self.fast, others) if device.type == "cuda" else {}
+
+    def fast_is_proven(self) -> bool:
+        """Whether the fast lane runs every GEMM on its proven path, so that rows which need
+        the proven paths may share the fast lane's graphs."""
+        return not self.quick and all(p == self.fast for p in (self.invariant or {}).values())
+
+    def select(self, invariant: bool, split: RowSplit | None = None, canonical: bool = False) -> None:
         """The paths of the GEMMs to come: the fast ones, or (``invariant``) the proven ones
         for the rows of ``split`` (every row when None, or on a one-call proven path) and the
-        fast ones for the rest."""
-        self.use_invariant, self.split = invariant, split
+        fast ones for the rest. A ``canonical`` pass on the fast path keeps ``fast`` at every
+        row count."""
+        self.use_invariant, self.split, self.canonical = invariant, split, canonical
 
     def split_of(self, flags: np.ndarray, device: torch.device) -> RowSplit | None:
         """The split of a pass's rows into those whose boolean ``flags`` say canonical and the
@@ -255,7 +291,10 @@ class Gemms:
         return out
 
     def _fast(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = run(self.fast, x, weight, bias)
+        path, n = self.fast, x.shape[0]
+        if self.quick and n <= SMALL_ROWS[-1] and not self.canonical:
+            path = self.quick.get(shape_of(weight, bias), {}).get(1 << (n - 1).bit_length(), path)
+        out = run(path, x, weight, bias)
         return out + batch_noise(out, FAULTS.fast_gemm_noise) if FAULTS.fast_gemm_noise else out
 
     def _proven(
@@ -286,7 +325,21 @@ class Gemms:
 
     def describe(self) -> dict[str, str]:
         """The proven paths by shape, for the fingerprint and the stats."""
-        return {f"{o}x{i}{'+bias' if b else ''}": str(p) for (o, i, b), p in sorted((self.invariant or {}).items())}
+        return {_name(s): str(p) for s, p in sorted((self.invariant or {}).items())}
+
+    def describe_choices(self) -> dict[str, dict[str, dict[int, int | str]]]:
+        """What start-up timed for speed, by shape, for the stats: the fast lane's ``quick``
+        paths and the proven GEMMs' ``padding`` (row counts that take neither are left out)."""
+        quick, padding = sorted(self.quick.items()), sorted(self.padding.items())
+        return {
+            "gemm_fast": {_name(s): {m: str(p) for m, p in t.items() if p != self.fast} for s, t in quick},
+            "gemm_padding": {_name(s): {m: r for m, r in t.items() if r > m} for s, t in padding},
+        }
+
+
+def _name(shape: Shape) -> str:
+    o, i, b = shape
+    return f"{o}x{i}{'+bias' if b else ''}"
 
 
 def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -461,17 +514,20 @@ def _rows_at(
 
 
 def time_gemm(
-    path: GemmPath, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int = 0,
+    path: GemmPath, x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]], rows: int = 0,
     iters: int = 20, calls: int = 16,
 ) -> float:
     """Median microseconds of one GEMM of ``x``'s rows through ``path`` (padded to ``rows`` as
-    ``run_padded`` pads), from a CUDA graph of ``calls`` such GEMMs in a row, so that what is
-    timed is the kernels and not the graph's launch. A weight that fits in L2 stays there from
-    call to call, as it does not in a pass: a small shape gets its L2 times."""
-    run_padded(path, x, weight, bias, rows)
+    ``run_padded`` pads), from a CUDA graph that runs it on each of ``layers`` (weight, bias; one
+    shape) in turn, at least ``calls`` GEMMs in all: what is timed is the kernels and not the
+    graph's launch, and each weight is read from L2 only as far as a pass leaves it there
+    (one weight timed alone stays in L2 where it fits: Llama-3.1-8B's 32 MiB o_proj on an H100)."""
+    order = [layers[i % len(layers)] for i in range(max(calls, len(layers)))]
+    for weight, bias in order[:1]:
+        run_padded(path, x, weight, bias, rows)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
+        for weight, bias in order:
             run_padded(path, x, weight, bias, rows)
     times = []
     for _ in range(iters):
@@ -480,7 +536,7 @@ def time_gemm(
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
+        times.append(start.elapsed_time(end) * 1e3 / len(order))
     return statistics.median(times)
 
 
@@ -488,10 +544,53 @@ PAD_GAIN = 0.95
 """A row count is padded only where that brings its GEMM's time to this share of the unpadded
 time or below: padding that timing noise alone favours costs a pad copy for nothing."""
 
+QUICK_GAIN = 0.98
+"""The fast lane leaves ``fast`` for another path only where that takes this share of its time
+or less: a choice costs nothing as it runs, but one that noise alone made would flip between
+two starts of the same machine."""
+
+
+def _by_shape(
+    layers: Iterable[tuple[torch.Tensor, torch.Tensor | None]],
+) -> dict[Shape, list[tuple[torch.Tensor, torch.Tensor | None]]]:
+    """``layers`` (weight, bias) grouped by shape, CUDA ones only (the choices timed are a GPU's)."""
+    shapes: dict[Shape, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+    for weight, bias in layers:
+        if weight.is_cuda:
+            shapes.setdefault(shape_of(weight, bias), []).append((weight, bias))
+    return shapes
+
+
+def _small_inputs(weight: torch.Tensor) -> torch.Tensor:
+    return torch.randn(SMALL_ROWS[-1], weight.shape[1], device=weight.device).to(weight.dtype)
+
+
+def quick_tables(
+    layers: Iterable[tuple[torch.Tensor, torch.Tensor | None]], fast: GemmPath, others: tuple[GemmPath, ...],
+) -> dict[Shape, dict[int, GemmPath]]:
+    """Per shape of ``layers`` (weight, bias), the path of each of ``SMALL_ROWS`` in the fast lane
+    (``Gemms.quick``): the quickest of ``others`` where it takes ``QUICK_GAIN`` of ``fast``'s time
+    or less, else ``fast``, timed on the model's weights. On an H100, Llama-3.1-8B's o_proj and
+    down projection at batch 1 took about 1,700 us a step on cuBLAS without a split-K workspace
+    against 1,830 on cuBLASLt, its split-K reduce included (2026-12-06). Shapes where ``fast``
+    serves every row count are left out."""
+    tables: dict[Shape, dict[int, GemmPath]] = {}
+    for shape, weights in _by_shape(layers).items():
+        x = _small_inputs(weights[0][0])
+        with torch.inference_mode():
+            us = {(p, m): time_gemm(p, x[:m], weights) for p in (fast, *others) for m in SMALL_ROWS}
+        table = {}
+        for m in SMALL_ROWS:
+            best = min(others, key=lambda p, m=m: us[p, m], default=fast)
+            table[m] = best if us[best, m] <= QUICK_GAIN * us[fast, m] else fast
+        if any(p != fast for p in table.values()):
+            tables[shape] = table
+    return tables
+
 
 def padding_tables(
     plan: dict[Shape, GemmPath], layers: Iterable[tuple[torch.Tensor, torch.Tensor | None]], fast: GemmPath,
-    rows: tuple[int, ...] = (1, 2, 4, 8, 16),
+    rows: tuple[int, ...] = SMALL_ROWS[:5],
 ) -> dict[Shape, dict[int, int]]:
     """Per shape whose proven path is not the fast one (CUDA), what each of ``rows`` (the
     proven sizes a decode graph or a few deterministic rows run) is padded to (``Gemms.padding``):
@@ -499,14 +598,13 @@ def padding_tables(
     it (the pad included), where it beats no padding by ``PAD_GAIN``. Shapes that pad no row
     count are left out."""
     tables: dict[Shape, dict[int, int]] = {}
-    for weight, bias in layers:
-        shape = shape_of(weight, bias)
+    for shape, weights in _by_shape(layers).items():
         path = plan[shape]
-        if not weight.is_cuda or path == fast or shape in tables:
+        if path == fast:
             continue
-        x = torch.randn(max(rows), weight.shape[1], device=weight.device).to(weight.dtype)
+        x = _small_inputs(weights[0][0])
         with torch.inference_mode():
-            us = {(m, f): time_gemm(path, x[:m], weight, bias, f) for f in rows for m in rows if m <= f}
+            us = {(m, f): time_gemm(path, x[:m], weights, f) for f in rows for m in rows if m <= f}
         best = {m: min((f for f in rows if f >= m), key=lambda f, m=m: us[m, f]) for m in rows}
         tables[shape] = {m: f if us[m, f] <= PAD_GAIN * us[m, m] else m for m, f in best.items()}
     return {shape: table for shape, table in tables.items() if any(f > m for m, f in table.items())}

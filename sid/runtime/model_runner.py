@@ -519,13 +519,13 @@ class ModelRunner:
                 pieces.load(ids, positions, slots, bucket)
                 hidden = pieces.run(rows, bucket)
             else:
-                gemms.select(step.invariant, body)
+                gemms.select(step.invariant, body, step.canonical)
                 hidden = self.model(ids, positions, self.kv_cache)
             if step.logit_rows is None:
                 return self.model.compute_logits(hidden)  # every row, padding included
             if not step.logit_rows:
                 return None
-            gemms.select(step.invariant, head)
+            gemms.select(step.invariant, head, step.canonical)
             return self.model.compute_logits(hidden[logit_rows])
 
     def _resolve(self, ids: torch.Tensor, step: StepInputs, fed: TokenFeed | None) -> None:

@@ -52,7 +52,7 @@ from sid.runtime.distributed import (
     TPGroup,
     init_group,
 )
-from sid.runtime.gemm import Gemms, fast_path
+from sid.runtime.gemm import Gemms
 from sid.runtime.model_runner import ModelRunner, StepInputs
 
 _HOST = "127.0.0.1"
@@ -121,7 +121,7 @@ def _serve(spec: WorkerSpec, rank: int, store: dist.TCPStore, control: ControlRe
         seed=spec.seed,
         tp=TPGroup(rank, spec.size),
     )
-    model.gemms.fast = fast_path(device)
+    model.gemms.set_fast(device, model.gemm_weights())
     if spec.tp_invariant_chunks is not None:
         model.split_row_parallel(spec.tp_invariant_chunks)
     store.set(f"{_KEY}/ready/{rank}", "1")
