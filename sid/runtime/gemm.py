@@ -521,7 +521,8 @@ def time_gemm(
     ``run_padded`` pads), from a CUDA graph that runs it on each of ``layers`` (weight, bias; one
     shape) in turn, at least ``calls`` GEMMs in all: what is timed is the kernels and not the
     graph's launch, and each weight is read from L2 only as far as a pass leaves it there
-    (one weight timed alone stays in L2 where it fits: Llama-3.1-8B's 32 MiB o_proj on an H100)."""
+    (one weight timed alone would stay in L2 where it fits, as Llama-3.1-8B's 32 MiB o_proj
+    fits the H100's 50 MB)."""
     order = [layers[i % len(layers)] for i in range(max(calls, len(layers)))]
     for weight, bias in order[:1]:
         run_padded(path, x, weight, bias, rows)
