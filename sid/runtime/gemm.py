@@ -36,20 +36,20 @@ quicker of the two libraries (``Gemms.quick``, timed at start-up on the model's 
 rows. A canonical pass on the fast path (where no path proves invariant) keeps ``fast`` at
 every row count: the fingerprint names it.
 
-A proven path may be slow at a few rows where the fast one is not (on the H200, cuBLAS
-without a workspace took 22.7 us for one row of Qwen3-0.6B's down projection and 15.9 us
-for 8, where cuBLASLt took 16.0 for either, each a graph of one GEMM). Since its rows keep
-their bits at every row count, such a GEMM may run padded to a cheaper row count
-(``Gemms.padding``, timed at start-up, ``padding_tables``): a speed choice that changes no bits,
-so no fingerprint records it. Each small row count gets its own choice, timed as a pass runs
-it, the padding's own copy included, in graphs of 16 GEMMs. Until 2026-12-06 one floor per
-shape served every row count, chosen for their sum from one GEMM a graph, where the graph's
+A proven path may be slow at a few rows where the fast one is not (on the H200, cuBLAS without
+a workspace took 22.7 us for one row of Qwen3-0.6B's down projection and 15.9 us for 8, where
+cuBLASLt took 16.0 for either, each a graph of one GEMM). Since its rows keep their bits at
+every row count, such a GEMM may run padded to a cheaper row count (``Gemms.padding``, timed at
+start-up, ``padding_tables``): a speed choice that changes no bits, so no fingerprint records
+it. Each small row count gets its own choice, timed as a pass runs it, the padding's own copy
+included, in graphs that run it over the layers' weights in turn. Until 2026-12-06 one floor
+per shape served every row count, chosen for their sum from one GEMM a graph, where the graph's
 launch outweighs the kernels. That day a decode step of deterministic rows took 8 / 5 / 1 %
 longer than a normal one at batch 1 / 8 / 32 on an H200 for Qwen3-0.6B, and for Llama-3.1-8B
-3 % longer at batch 1 but 2 % shorter at batch 8, as a floor that suits 8 rows and not 1
-would; on an H100, where no floor was chosen (no pad copy among the step's kernels), Qwen's
-took 1 % less at batch 1 and 8. The H200's floors were not recorded, so they are the suspect,
-not the proven cause.
+3 % longer at batch 1 but 2 % shorter at batch 8, as a floor that suits 8 rows and not 1 would;
+on an H100, where no floor was chosen (no pad copy among the step's kernels), Qwen's took 1 %
+less at batch 1 and 8. The H200's floors were not recorded, so they are the suspect, not the
+proven cause.
 
 A pass that holds deterministic rows among normal ones runs a shape whose proven path is
 *bounded* (calls of a bounded row count, the CPU's) row-selectively (``RowSplit``): only the
@@ -224,15 +224,16 @@ class Gemms:
     split: RowSplit | None = None
     """With ``use_invariant``: the rows that need the proven paths; None = every row."""
     quick: dict[Shape, dict[int, GemmPath]] = field(default_factory=dict)
-    """Per shape, ``{m: path}``: the fast lane's GEMM of at most ``m`` rows (the smallest such
-    ``m``, a power of two) takes ``path`` instead of ``fast`` (``quick_tables``, GPU); more rows
+    """Per shape, ``{m: path}`` for ``m`` of ``SMALL_ROWS``: the fast lane's GEMM of at most ``m``
+    rows (the smallest such ``m``) takes ``path`` instead of ``fast`` (``quick_tables``, GPU); more rows
     than every ``m``, ``fast``. Never in a canonical pass on the fast path, whose path the
     fingerprint names."""
     canonical: bool = False
     """The GEMMs to come are a canonical pass's (``select``)."""
     padding: dict[Shape, dict[int, int]] = field(default_factory=dict)
-    """Per shape, ``{m: rows}``: a proven GEMM of at most ``m`` rows (the smallest such ``m``)
-    runs padded to ``rows`` where that is more than its own; more rows than every ``m``, unpadded."""
+    """Per shape, ``{m: rows}`` for ``m`` of ``SMALL_ROWS[:5]``: a proven GEMM of at most ``m`` rows
+    (the smallest such ``m``) runs padded to ``rows`` where that is more than ``m``; more rows
+    than every ``m``, unpadded."""
     sizes: PassSizes | None = None
     """The row counts the proof covered (with ``invariant``)."""
     k_chunks: int | None = None
@@ -293,7 +294,7 @@ class Gemms:
     def _fast(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         path, n = self.fast, x.shape[0]
         if self.quick and n <= SMALL_ROWS[-1] and not self.canonical:
-            path = self.quick.get(shape_of(weight, bias), {}).get(1 << (n - 1).bit_length(), path)
+            path = self.quick.get(shape_of(weight, bias), {}).get(_small_key(n), path)
         out = run(path, x, weight, bias)
         return out + batch_noise(out, FAULTS.fast_gemm_noise) if FAULTS.fast_gemm_noise else out
 
@@ -305,9 +306,9 @@ class Gemms:
 
     def padded_rows(self, shape: Shape, n: int) -> int:
         """How many rows a proven GEMM of ``shape`` on ``n`` rows runs (``padding``)."""
-        table = self.padding.get(shape, {})
-        m = min((m for m in table if m >= n), default=None)
-        return n if m is None or table[m] <= m else table[m]
+        m = _small_key(n)
+        rows = self.padding.get(shape, {}).get(m, m)
+        return rows if rows > m else n
 
     def row_parallel(self, x: torch.Tensor, layer: Linear, canonical: bool) -> torch.Tensor:
         """A row-parallel layer's partial sum on this rank. With ``k_chunks`` a pass with
@@ -335,6 +336,12 @@ class Gemms:
             "gemm_fast": {_name(s): {m: str(p) for m, p in t.items() if p != self.fast} for s, t in quick},
             "gemm_padding": {_name(s): {m: r for m, r in t.items() if r > m} for s, t in padding},
         }
+
+
+def _small_key(n: int) -> int:
+    """The key of ``n`` rows in a table by ``SMALL_ROWS`` (``quick``, ``padding``): the smallest
+    power of two at or above ``n``, which no table holds above ``SMALL_ROWS[-1]``."""
+    return 1 << (n - 1).bit_length()
 
 
 def _name(shape: Shape) -> str:
@@ -591,13 +598,13 @@ def quick_tables(
 
 def padding_tables(
     plan: dict[Shape, GemmPath], layers: Iterable[tuple[torch.Tensor, torch.Tensor | None]], fast: GemmPath,
-    rows: tuple[int, ...] = SMALL_ROWS[:5],
 ) -> dict[Shape, dict[int, int]]:
-    """Per shape whose proven path is not the fast one (CUDA), what each of ``rows`` (the
+    """Per shape whose proven path is not the fast one (CUDA), what each of 1-16 rows (the
     proven sizes a decode graph or a few deterministic rows run) is padded to (``Gemms.padding``):
     the larger of ``rows`` whose GEMM is quickest, timed on the model's weights as a pass runs
     it (the pad included), where it beats no padding by ``PAD_GAIN``. Shapes that pad no row
     count are left out."""
+    rows = SMALL_ROWS[:5]
     tables: dict[Shape, dict[int, int]] = {}
     for shape, weights in _by_shape(layers).items():
         path = plan[shape]
