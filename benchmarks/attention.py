@@ -7,7 +7,8 @@ canonical rows keep their bits in differently composed batches, then times decod
 launched for the model's longest, as a CUDA graph of the engine is), prefills,
 a chunk after a cached prefix, and prompt steps with decodes beside their prompt rows (the
 decodes in a launch of their own, as the engine runs them, and in the prompt launch), for
-both schedules, with
+both schedules (on sm_90 prefills also with the fast launch as the Triton kernel, "fast
+triton", beside ``hopper_prefill``'s, which the engine runs), with
 ``triton.testing.do_bench`` (median).
 The floor is bytes moved over the HBM bandwidth measured in the same run (a ``sum`` over a
 ~4 GB bf16 tensor); for prefill also FLOPs over the bf16 matmul rate measured likewise.
@@ -39,6 +40,8 @@ from common import parse_args, write_json  # noqa: E402
 
 from sid.kernels.attention_ref import paged_attention_canonical_ref, paged_attention_ref  # noqa: E402
 from sid.kernels.kv_store import store_kv  # noqa: E402
+from sid.kernels import hopper_prefill  # noqa: E402
+from sid.kernels import paged_attention as kernels  # noqa: E402
 from sid.kernels.paged_attention import CANONICAL_CONFIG, paged_attention  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -207,6 +210,17 @@ def check_model(sizes: Sizes, heads: int, kv_heads: int, head_dim: int, device: 
         err = (out.float() - ref(*args, scale).float()).abs().max().item()
         report["canonical_max_err" if canonical else "fast_max_err"] = err
         assert err < TOLERANCE and not out.isnan().any(), f"{'canonical' if canonical else 'fast'} error {err}"
+    # The step's own keys given, as the engine gives them: the fast prompt launch may then run as
+    # the Hopper kernel (sm_90).
+    step = Step.random(heads, kv_heads, head_dim, [ctx for ctx, _ in sizes.check_shapes],
+                       [q_len for _, q_len in sizes.check_shapes], device)  # fmt: skip
+    step.store()
+    out = torch.empty_like(step.q)
+    step.attend(out, False)
+    step_args = (step.q, step.k_cache, step.v_cache, step.table, step.seq_lens, step.query_start_loc)
+    err = (out.float() - paged_attention_ref(*step_args, scale).float()).abs().max().item()
+    report["fast_own_keys_max_err"] = err
+    assert err < TOLERANCE and not out.isnan().any(), f"fast error {err} with the step's own keys"
 
     shape = (target_len, kv_heads, head_dim)
     keys, values = torch.randn(shape, device=device), torch.randn(shape, device=device)
@@ -392,14 +406,20 @@ def time_prefill(
     out = torch.empty_like(step.q)
     flop = 4 * heads * head_dim * seqs * (length * prefix + length * (length + 1) // 2)
     floor_bytes = cached * 2 * kv_heads * head_dim * elem + 2 * step.q.numel() * elem
-    for canonical in (False, True):
+    # Where the fast launch runs as the Hopper kernel, the Triton one beside it ("fast triton").
+    schedules = [("fast", False, True), ("canonical", True, True)]
+    if hopper_prefill.supports(step.q, step.k_cache):
+        schedules.append(("fast triton", False, False))
+    for schedule, canonical, hopper in schedules:
         def prefill() -> None:
             step.attend(out, canonical, max_query_len=length, max_seq_len=context)
 
+        kernels.HOPPER_PREFILL = hopper
         ms = bench(prefill, smoke)
         graph_ms = bench_graph(prefill, smoke)
+        kernels.HOPPER_PREFILL = True
         rows.append(
-            dict(case, schedule="canonical" if canonical else "fast", ms=ms, graph_ms=graph_ms,
+            dict(case, schedule=schedule, ms=ms, graph_ms=graph_ms,
                  floor_ms=max(floor_bytes / bandwidth, flop / flops) * 1e3,
                  tflops=flop / ((graph_ms or ms) * 1e-3) / 1e12)
         )

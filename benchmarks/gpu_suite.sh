@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything Sid checks and measures on the H200, in one device call.
 #   usage (device tool, carry .carry): bash benchmarks/gpu_suite.sh [STEP ...]
-# Steps: tests (the engine's GPU tests, ~160 s) kernel_tests (the kernels' tests on the GPU: a new machine
+# Steps: tests (the engine's GPU tests, ~160 s) hopper_tests (the Gluon prompt kernel's, sm_90)
+#        kernel_tests (the kernels' tests on the GPU: a new machine
 #        compiles every variant; 300 s did not cover the three files together)
 #        throughput_qwen decode_roofline throughput_llama cost_qwen cost_qwen_m256 cost_llama cost_trained
 #        canonical_sweep cost_swept (the cost with the sweep's best canonical attention constants)
@@ -57,6 +58,7 @@ run_step() {
 step() {
   case $1 in
     tests) run_step tests 300 python3 -m pytest -q -x tests/test_gpu.py ;;
+    hopper_tests) run_step hopper_tests 300 python3 -m pytest -q -x tests/test_hopper_prefill.py ;;
     kernel_tests) run_step kernel_tests 540 python3 -m pytest -q -x tests/test_kernels.py tests/test_layer_kernels.py ;;
     throughput_qwen) run_step throughput_qwen 200 python3 benchmarks/throughput.py --model qwen3-0.6b --peer --lockstep --out "$RES" ;;
     throughput_llama) run_step throughput_llama 200 python3 benchmarks/throughput.py --model llama-3.1-8b --lockstep --out "$RES" ;;

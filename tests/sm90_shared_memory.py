@@ -6,7 +6,8 @@ for sm_90 runs on the CPU, and its lowering to LLVM IR fixes the shared memory a
 for, the figure a launch on the H200 is refused over (``OutOfResources``). The pipeline stops
 there: PTX and ``ptxas`` would add a minute on a 2-core machine and change no byte of it.
 
-Each launch is the one ``paged_attention`` makes, caught at the kernel's call, and is
+Each launch is the one ``paged_attention`` makes, caught at the kernel's call (the fast prompt
+launch both as the Triton kernel and as ``hopper_prefill``'s Gluon one, "hopper prompt"), and is
 specialised by Triton's own binder as the H200 would specialise it: strides of 1 become
 constants, pointers and multiples of 16 are marked divisible by 16. That matters: the
 canonical prompt launch asked for 102 KB unspecialised and 169 KB specialised (bf16, its own
@@ -15,7 +16,8 @@ Prints JSON: one entry per (launch, dtype) with the bytes asked for (a combine l
 the schedule makes one, as a separate entry).
 
 ``--registers`` goes on to PTX and runs the ``ptxas`` that ships with Triton (``-v``): the
-registers a thread of each bf16 attention launch uses, the bytes it spills, and whether ptxas
+registers a thread of each bf16 attention launch uses (the Gluon kernel's partitions then set
+their own with ``setmaxnreg``), the bytes it spills, and whether ptxas
 serialised its wgmma instructions, which decide how fast a program runs and are not seen
 without a GPU otherwise (2026-12-02: the canonical prompt launch 255 registers and 1,544 bytes
 of spill stores a thread, the fast one 16; 2026-12-03: the canonical prompt launch's wgmmas
@@ -39,10 +41,12 @@ import triton.language as tl
 from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import create_function_from_signature
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sid.kernels import hopper_prefill  # noqa: E402
 from sid.kernels import paged_attention as attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -66,9 +70,10 @@ Launch = tuple[Any, tuple[Any, ...], dict[str, Any]]
 """(kernel, positional arguments, keyword arguments) of one launch."""
 
 
-def launches(dtype: torch.dtype, canonical: bool, query_len: int) -> list[Launch]:
+def launches(dtype: torch.dtype, canonical: bool, query_len: int, hopper: bool = False) -> list[Launch]:
     """The kernels' launches for 8 sequences of ``query_len`` rows after a 512-key prefix
-    (their own K/V given, as the engine gives them), in one schedule."""
+    (their own K/V given, as the engine gives them), in one schedule; ``hopper``: the fast
+    prompt launch as ``hopper_prefill``'s kernel, else as the Triton one."""
     seqs, prefix = 8, 512
     context = prefix + query_len
     blocks = -(-context // BLOCK)
@@ -78,18 +83,20 @@ def launches(dtype: torch.dtype, canonical: bool, query_len: int) -> list[Launch
     own = torch.zeros(seqs * query_len, KV_HEADS, HEAD_DIM, dtype=dtype)
     seq_lens = torch.full((seqs,), context, dtype=torch.int32)
     starts = torch.arange(0, seqs * query_len + 1, query_len, dtype=torch.int32)
-    kernels = {"_attention_kernel": attention._attention_kernel, "_combine_kernel": attention._combine_kernel}
+    modules = {"_attention_kernel": attention, "_combine_kernel": attention, "_prefill_kernel": hopper_prefill}
+    kernels = {name: getattr(module, name) for name, module in modules.items()}
     caught = {name: _Caught() for name in kernels}
-    for name in kernels:
-        setattr(attention, name, caught[name])
+    for name, module in modules.items():
+        setattr(module, name, caught[name])
+    attention.HOPPER_PREFILL = hopper
     try:
         attention.paged_attention(
             q, cache, cache, table, seq_lens, starts, 0.1, canonical=canonical, max_query_len=query_len,
             max_seq_len=context, k=own, v=own,
         )
     finally:
-        for name, kernel in kernels.items():
-            setattr(attention, name, kernel)
+        for name, module in modules.items():
+            setattr(module, name, kernels[name])
     found = [(kernels[name], args, kwargs) for name in kernels for args, kwargs in caught[name].calls]
     for _, _, kwargs in found:
         if "DOT_DTYPE" in kwargs:
@@ -109,7 +116,7 @@ def _lowered(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], last: s
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    src = ASTSource(kernel, signature, constexprs, attrs)
+    src = (GluonASTSource if kernel.is_gluon() else ASTSource)(kernel, signature, constexprs, attrs)
     stages: dict[str, Any] = {}
     backend.add_stages(stages, options, src.language)
     context = ir.context()
@@ -145,16 +152,18 @@ def registers(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dic
 
 
 def main() -> None:
-    attention._has_tma = lambda device: True  # as on sm_90: the prompt launches take descriptors
+    # As on sm_90: the prompt launches take descriptors, and bf16 ones may run as the Gluon kernel.
+    attention._has_tma = lambda device: True
+    hopper_prefill.supports = lambda q, k_cache: q.dtype == torch.bfloat16
     spills = "--registers" in sys.argv
     found = {}
-    for name, canonical, query_len in (
-        ("canonical prompt", True, 512), ("fast prompt", False, 512),
-        ("canonical decode", True, 1), ("fast decode", False, 1),
+    for name, canonical, query_len, hopper in (
+        ("canonical prompt", True, 512, False), ("fast prompt", False, 512, False),
+        ("hopper prompt", False, 512, True), ("canonical decode", True, 1, False), ("fast decode", False, 1, False),
     ):
-        for dtype in (torch.bfloat16,) if spills else (torch.float32, torch.bfloat16):
-            for kernel, args, kwargs in launches(dtype, canonical, query_len):
-                which = f"{name if kernel is attention._attention_kernel else f'{name} combine'} {dtype}"
+        for dtype in (torch.bfloat16,) if spills or hopper else (torch.float32, torch.bfloat16):
+            for kernel, args, kwargs in launches(dtype, canonical, query_len, hopper):
+                which = f"{name if kernel is not attention._combine_kernel else f'{name} combine'} {dtype}"
                 measure = registers if spills else shared_bytes
                 found[which.replace("torch.", "")] = measure(kernel, args, kwargs)
     print(json.dumps(found))

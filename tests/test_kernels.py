@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 import torch
 from triton.compiler.compiler import CompiledKernel
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
 from sid.kernels import attention_ref
 from sid.kernels import paged_attention as attention
@@ -726,27 +728,33 @@ class _Jit:
 def test_relaunch_launches_directly_only_what_the_jit_call_would_have_chosen() -> None:
     """``Relaunch`` runs a kernel a JIT call returned for later calls whose arguments specialise
     alike, with the constants in parameter order; a call whose tensor alignment, dtype or other
-    value differs goes through the JIT call, and its kernel is then the one kept. (The compiled
+    value (a Gluon descriptor's shape or shared layout) differs goes through the JIT call, and
+    its kernel is then the one kept. (The compiled
     path itself runs in the GPU tests: ``test_one_plan_serves_every_layer_of_a_step``.)"""
     kernel, relaunch = _Jit(), Relaunch()
     x = torch.zeros(64, dtype=torch.bfloat16)
     y = torch.zeros(64, dtype=torch.bfloat16)
     relaunch(kernel, (2, 1), (x, None, 7), {"C": 3, "num_warps": 4})
     relaunch(kernel, (2, 1), (y, None, 7), {"C": 3, "num_warps": 4})  # another tensor, alike
-    assert kernel.launches == [("jit", (2, 1), (x, None, 7, 3, 4)), ("direct", (2, 1), (y, None, 7, 3))]
+    # A compiled kernel's launcher reads three grid axes: a grid of two gets the third.
+    assert kernel.launches == [("jit", (2, 1), (x, None, 7, 3, 4)), ("direct", (2, 1, 1), (y, None, 7, 3))]
     assert relaunch.direct == 1
+    # Two Gluon descriptors alike but for their shared layout's swizzle.
+    wide, narrow = (gl.NVMMASharedLayout(swizzle, 16, 2) for swizzle in (64, 32))
     for args, constants in (
         ((x[1:], None, 7), {"C": 3}),  # 2 bytes off 16-byte alignment
         ((x.float(), None, 7), {"C": 3}),
         ((x, None, 8), {"C": 3}),
         ((x, y, 7), {"C": 3}),
         ((x, None, 7), {"C": 4}),
+        ((GluonDescriptor(x.view(2, 32), [2, 32], [32, 1], [8, 32], wide), None, 7), {"C": 3}),
+        ((GluonDescriptor(x.view(2, 32), [2, 32], [32, 1], [8, 32], narrow), None, 7), {"C": 3}),
     ):
         kernel.launches.clear()
         relaunch(kernel, (2, 1), args, {**constants, "num_warps": 4})
         relaunch(kernel, (2, 1), args, {**constants, "num_warps": 4})
         assert [kind for kind, _, _ in kernel.launches] == ["jit", "direct"], (args, constants)
-    assert relaunch.direct == 6
+    assert relaunch.direct == 8
 
 
 def test_canonical_bits_do_not_depend_on_how_splits_are_spread(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -893,19 +901,24 @@ def test_launches_fit_in_sm90_shared_memory() -> None:
     refused it. A bf16 decode program's share sets ``_DECODE_PROGRAMS_AT_ONCE``."""
     found = _lowered_for_sm90()
     assert {name.rsplit(" ", 1)[0] for name in found} >= {
-        "canonical prompt", "fast prompt", "canonical decode", "fast decode"
+        "canonical prompt", "fast prompt", "hopper prompt", "canonical decode", "fast decode"
     }, found
     assert all(0 < need <= SM90_SHARED_BYTES for need in found.values()), found
     decode = found["fast decode bfloat16"]
     assert SM90_SHARED_BYTES // decode == attention._DECODE_PROGRAMS_AT_ONCE, found
 
 
-def test_the_fast_prompt_launch_keeps_its_wgmma_asynchronous() -> None:
+def test_the_fast_prompt_launches_keep_their_wgmma_asynchronous() -> None:
     """ptxas for sm_90a (Triton's own, run on this machine) keeps the wgmma instructions of the
-    fast prompt launch asynchronous. The canonical one's are serialised (advisory C7515: each
-    waits for the one before) by the branch in its tile loop that folds a finished split and
-    restarts the next; restarting and folding by selects instead kept them asynchronous but
-    made the launch 1.04-1.09x slower on the H200 (2026-12-03), so it keeps the branch."""
+    fast prompt launches asynchronous, and the Gluon one (``hopper_prefill``) within the 168
+    registers a thread it launches with, unspilled. The canonical one's are serialised
+    (advisory C7515: each waits for the one before) by the branch in its tile loop that folds a
+    finished split and restarts the next; restarting and folding by selects instead kept them
+    asynchronous but made the launch 1.04-1.09x slower on the H200 (2026-12-03), so it keeps
+    the branch."""
     found = _lowered_for_sm90("--registers")
-    assert found["fast prompt bfloat16"]["registers"] > 0, found
-    assert not found["fast prompt bfloat16"]["wgmma_serialized"], found
+    for launch in ("fast prompt bfloat16", "hopper prompt bfloat16"):
+        assert found[launch]["registers"] > 0, found
+        assert not found[launch]["wgmma_serialized"], found
+    assert found["hopper prompt bfloat16"]["registers"] <= 168, found
+    assert found["hopper prompt bfloat16"]["spill_bytes"] == 0, found

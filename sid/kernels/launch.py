@@ -26,8 +26,12 @@ from typing import Any, NamedTuple
 
 import torch
 from triton.compiler.compiler import CompiledKernel
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+_DESCRIPTORS = (TensorDescriptor, GluonTensorDescriptor)
+"""Host-side TMA descriptors: Triton's, and Gluon's, which carry their shared-memory layout."""
 
 
 class _Layout(NamedTuple):
@@ -40,7 +44,7 @@ class _Layout(NamedTuple):
 
     @classmethod
     def of(cls, args: Sequence[Any]) -> _Layout:
-        kinds = [torch.Tensor if isinstance(a, torch.Tensor) else TensorDescriptor if isinstance(a, TensorDescriptor)
+        kinds = [torch.Tensor if isinstance(a, torch.Tensor) else TensorDescriptor if isinstance(a, _DESCRIPTORS)
                  else None for a in args]  # fmt: skip
         others = [i for i, k in enumerate(kinds) if k is None]
         return cls(
@@ -58,7 +62,7 @@ class _Layout(NamedTuple):
         return (
             self.others(args),
             tuple((args[i].dtype, args[i].data_ptr() % 16 == 0) for i in self.tensors),
-            tuple((d.base.dtype, *d.shape, *d.strides, *d.block_shape) for d in descriptors),
+            tuple((d.base.dtype, *d.shape, *d.strides, *d.block_shape, getattr(d, "layout", 0)) for d in descriptors),
         )
 
 
@@ -93,7 +97,7 @@ class Relaunch:
             and tuple(map(type, args)) == known.layout.types
             and known.layout.key(args) == known.key
         ):
-            known.compiled[grid](*args, *known.constexprs)
+            known.compiled[(*grid, 1, 1)[:3]](*args, *known.constexprs)  # the launcher reads three axes
             self.direct += 1
             return
         compiled = kernel[grid](*args, **constants)

@@ -73,6 +73,9 @@ Steps with prompt rows (the prefill work):
   compiler cannot fuse it differently in the two kinds of tile: a row keeps its bits.
 * The fast schedule gives each program one split, so a program carries one softmax state
   (not a split's beside its fold), and folds the scale into the exponent's FMA.
+* On sm_90, a fast prompt launch whose query blocks fill the multiprocessors without split-KV
+  runs as ``hopper_prefill``'s Gluon kernel instead (``_hopper_prompt``): the same blocks and
+  semantics, with FlashAttention-3's warp specialisation and softmax overlap written out.
 
 Floor: decode attention is memory-bound; a step cannot beat
 ``(K + V bytes read + Q bytes read + O bytes written) / HBM bandwidth``, i.e. per sequence
@@ -102,6 +105,7 @@ import triton.language as tl
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from sid.kernels import hopper_prefill
 from sid.kernels.launch import Relaunch
 
 CANONICAL_CONFIG: dict[str, int] = {
@@ -153,6 +157,13 @@ FAST_PREFILL_CONFIG: dict[str, int] = {
 the GQA group's power of two when larger). 128-row blocks of 64-key tiles on 8 warps were the
 quickest shape on the H200 before the chunk's own keys were read contiguously (8 x 2k: 1.37 ms
 against 1.51 for 128-key tiles, 2.38 for 4 warps)."""
+
+HOPPER_PREFILL = True
+"""Fast prompt launches may run as ``hopper_prefill``'s Gluon kernel (``_hopper_prompt``). As
+fractions of the bf16 matmul rate, that kernel / the Triton launch, on an H100 (2026-12-06,
+16-call CUDA graphs; Llama-3.1-8B heads): 8 x 2k 0.55 / 0.46, 2 x 8k 0.69 / 0.62, 1 x 32k
+0.67 / 0.65, a 2k chunk after 16k cached keys 0.70 / 0.38; Qwen3-0.6B heads 0.54 / 0.43, 0.67 /
+0.62, 0.63 / 0.67, 0.69 / 0.35."""
 
 _COMBINE_NUM_WARPS = 4
 _COMBINE_PREFETCH = 8
@@ -259,6 +270,8 @@ class _Schedule(NamedTuple):
     """The most splits a row of the launch has: its partial slots."""
     row_splits: int = 0
     """Canonical: the most splits a row has before its split size doubles (``_row_splits``)."""
+    hopper: bool = False
+    """Fast prompt launch run by ``hopper_prefill`` (``_hopper_prompt``): one split a program."""
 
 
 
@@ -1150,6 +1163,18 @@ def _target_programs(device: torch.device, prompt: bool = False) -> int:
     return (1 if prompt else _PROGRAMS_PER_SM) * _num_sms(device)
 
 
+def _hopper_prompt(q: torch.Tensor, k_cache: torch.Tensor, rows: _Rows) -> bool:
+    """A fast prompt launch over ``rows`` runs as ``hopper_prefill``'s kernel: the pass's own
+    keys given, a device and shapes it supports, and query blocks x KV heads enough to fill the
+    multiprocessors, since it has no split-KV (a launch with fewer keeps the Triton one, which
+    splits). ``HOPPER_PREFILL`` off: never (benchmarks compare the two)."""
+    if not (HOPPER_PREFILL and rows.own_keys and hopper_prefill.supports(q, k_cache)):
+        return False
+    block_q = hopper_prefill.BLOCK_M // (q.shape[1] // k_cache.shape[2])
+    blocks = _query_blocks(rows.num_tokens, rows.seq_lens.shape[0], rows.max_query_len, block_q)
+    return blocks * k_cache.shape[2] >= _num_sms(q.device)
+
+
 def _query_blocks(num_tokens: int, num_seqs: int, max_query_len: int, block_q: int) -> int:
     """Query blocks holding rows: what the grid's first axis offers before any split."""
     return min(num_seqs * _cdiv(max_query_len, block_q), num_tokens // block_q + num_seqs)
@@ -1299,6 +1324,7 @@ class _Launch(NamedTuple):
     beside: bool
     """On CUDA, run on the side stream beside the next launch (module doc)."""
     attention: _Kernel
+    """The Triton launch (a ``hopper`` schedule's where the layer's own keys rule TMA out)."""
     combine: _Kernel | None
     relaunch: Relaunch
     """The kernels the step's first layer launched, for the other layers to launch directly."""
@@ -1388,6 +1414,8 @@ def plan_attention(
         seqs = rows.seq_lens.shape[0]
         shape = (num_kv_heads, rows.max_query_len, max_seq_len, q.device)
         fast = _fast_schedule(rows.num_tokens, seqs, group, *shape) if has_fast else None
+        if fast is not None and fast.prompt and _hopper_prompt(q, k_cache, rows):
+            fast = fast._replace(hopper=True, max_splits=1, group=1)
         canon = _canonical_schedule(group, rows.num_tokens, seqs, *shape) if has_canonical else None
         found.append((rows, fast, canon))
     # Per schedule: a row's splits at most, and its programs along the keys (more than one
@@ -1457,7 +1485,7 @@ def run_attention(
         assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, "k/v must have the cache's dtype"
     else:
         k = v = None
-    batch = _Batch(q, k_cache, v_cache, out, scale * 1.4426950408889634, k, v)
+    batch = _Batch(q, k_cache, v_cache, out, scale, scale * 1.4426950408889634, k, v)
     joining = False
     for launch in plan.launches:
         if launch.beside:
@@ -1486,6 +1514,7 @@ class _Batch(NamedTuple):
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     out: torch.Tensor
+    scale: float
     scale_log2: float
     """The softmax scale times log2(e): the kernel takes exponents base 2."""
     k: torch.Tensor | None
@@ -1583,6 +1612,13 @@ def _launch(batch: _Batch, launch: _Launch) -> None:
     prepared."""
     q, k_cache, v_cache, out = batch[:4]
     k, v = (batch.k, batch.v) if launch.rows.own_keys else (None, None)
+    if launch.sched.hopper and hopper_prefill.tma_ready(k) and hopper_prefill.tma_ready(v):
+        rows = launch.rows
+        hopper_prefill.prefill_attention(
+            q, k, v, k_cache, v_cache, rows.block_tables, rows.seq_lens, rows.query_start_loc, rows.flags,
+            batch.scale, out, launch.relaunch,
+        )  # fmt: skip
+        return
     # Both schedules read the pass's own keys through descriptors (the canonical prompt launch:
     # 1 x 8,192 1,203 us against 1,265 with plain loads, 8 x 2,048 827 against 845, the same
     # bits; H200, Qwen3-0.6B heads, 2026-12-02).

@@ -1,0 +1,362 @@
+"""Fast-schedule prompt attention for Hopper (sm_90), written in Gluon.
+
+The Triton kernel in ``paged_attention`` leaves its prompt launch's pipelining to the
+compiler, which on sm_90 waits for each ``Q Kᵀ`` before the softmax and each ``P V`` before
+the next tile: the matrix unit idles while the exponentials run, the cost FlashAttention-3
+hides. Here its schedule is written out. A program is warp-specialised: one warp loads K/V
+tiles by TMA into a ring of shared-memory stages ahead of their use, and two consumer
+warpgroups of 64 rows each overlap a tile's softmax with the matrix unit twice over: inside a
+warpgroup, tile ``j``'s ``Q Kⱼᵀ`` and tile ``j - 1``'s ``P V`` are issued together as
+asynchronous wgmmas and the softmax runs while ``P V`` does; between the two, they take turns
+to issue, so one's softmax runs while the other's products do (ping-pong).
+
+Semantics are the fast schedule's (``paged_attention_ref``): causal, varlen, GQA, a chunk's
+keys after a cached prefix. A program owns one query block, ``BLOCK_Q = BLOCK_M / GROUP``
+positions of one sequence times the ``GROUP`` query heads of one KV head packed into
+``BLOCK_M`` rows (K/V read once per KV head), numbered longest first as in the Triton launch,
+and walks every key its rows see in tiles of ``BLOCK_N`` keys at absolute positions: whole
+tiles unmasked, the diagonal ones masked. A tile of the chunk's own keys is one TMA load of
+``k``/``v``; a tile holding cached keys is gathered block by block through the block table
+from the cache (the chunk's own keys are stored there as well). Canonical sequences (nonzero
+``flags``) are skipped: their launch is the Triton one, whose arithmetic is pinned.
+
+Floor: ``4 * heads * head_dim * (chunk * prefix + chunk * (chunk + 1) / 2)`` FLOPs a sequence
+over the measured bf16 matmul rate (``benchmarks/attention.py`` reports the ratio). Gluon runs
+on a GPU only: on the CPU, ``tests/sm90_shared_memory.py`` compiles it for sm_90a.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from sid.kernels.launch import Relaunch
+
+BLOCK_M = 128
+"""Rows of a program: two warpgroups of 64, each a consumer partition."""
+BLOCK_N = 64
+"""Keys of a tile. 64-key tiles in four stages beat 128-key tiles in two by 1.07-1.40x on an
+H100 (8 x 2k to a 2k chunk after a 16k prefix, Llama-3.1-8B and Qwen3-0.6B heads;
+2026-12-06): a consumer's softmax of a tile fits its registers beside the accumulator."""
+STAGES = 4
+"""K/V tiles in flight: 4 x 32 KB at head_dim 128, beside the 32 KB query tile."""
+_LOG2E = 1.4426950408889634
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """This kernel can run a step of ``q``'s shape over ``k_cache``: an sm_90 device, 16-bit
+    data, a head_dim of 64 or 128, a GQA group that divides ``BLOCK_M``, and a contiguous
+    cache (the pass's own keys must be given, laid out as ``_descriptor`` says)."""
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    group = q.shape[1] // k_cache.shape[2]
+    return (
+        q.dtype in _GL_DTYPES
+        and k_cache.dtype == q.dtype
+        and q.shape[-1] in (64, 128)
+        and BLOCK_M % group == 0
+        and k_cache.is_contiguous()
+    )
+
+
+@gluon.jit
+def _find_seq(query_start_loc_ptr, row0, q_block, num_seqs, BLOCK_Q: gl.constexpr):
+    """Sequence owning ``q_block`` under the Triton launch's numbering (``paged_attention``'s
+    ``_find_seq``): sequence s owns blocks from ``r(s) // BLOCK_Q + 2 s``."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if (gl.load(query_start_loc_ptr + mid) - row0) // BLOCK_Q + 2 * mid <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@gluon.jit
+def _block_of(query_start_loc_ptr, seq_lens_ptr, flags_ptr, num_seqs, BLOCK_Q: gl.constexpr):
+    """This program's query block, longest first: (sequence, its first query row, the chunk's
+    first position, the sequence's length, the block's start, the first and last position of
+    its rows, nothing to do: past the chunk, or a canonical sequence)."""
+    q_block = gl.num_programs(0) - 1 - gl.program_id(0)
+    row0 = gl.load(query_start_loc_ptr)
+    seq = _find_seq(query_start_loc_ptr, row0, q_block, num_seqs, BLOCK_Q)
+    q_start = gl.load(query_start_loc_ptr + seq)
+    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = gl.load(seq_lens_ptr + seq)
+    first_query = seq_len - q_len
+    block_start = (first_query // BLOCK_Q + q_block - (q_start - row0) // BLOCK_Q - 2 * seq) * BLOCK_Q
+    done = (q_len == 0) | (block_start >= seq_len) | (gl.load(flags_ptr + seq) != 0)
+    last_pos = gl.minimum(block_start + BLOCK_Q, seq_len) - 1
+    first_pos = gl.maximum(block_start, first_query)
+    return seq, q_start, first_query, seq_len, block_start, first_pos, last_pos, done
+
+
+@gluon.jit
+def _issue_tile(
+    tile, slot, bar, k_smem, v_smem, k_desc, v_desc, kc_desc, vc_desc, table_ptr, col,
+    own_row0, first_own, last_block,
+    BLOCK_N: gl.constexpr, CACHE_BLOCK: gl.constexpr,
+):  # fmt: skip
+    """Start tile ``tile``'s K and V loads into stage ``slot``, signalled on ``bar``: one TMA
+    load each from the chunk's own keys when the tile holds only those, else one per cache
+    block (or per ``BLOCK_N`` keys of a larger one) through the block table. Keys past the
+    sequence read its last block again, and the chunk's past the batch are zero: masked."""
+    mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
+    start = tile * BLOCK_N
+    k_dst = k_smem.index(slot)
+    v_dst = v_smem.index(slot)
+    if start >= first_own:
+        tma.async_copy_global_to_shared(k_desc, [own_row0 + start - first_own, col], bar, k_dst)
+        tma.async_copy_global_to_shared(v_desc, [own_row0 + start - first_own, col], bar, v_dst)
+    else:
+        PIECE: gl.constexpr = kc_desc.block_type.shape[0]
+        for b in gl.static_range(BLOCK_N // PIECE):
+            key = start + b * PIECE
+            block = gl.load(table_ptr + gl.minimum(key // CACHE_BLOCK, last_block))
+            row = block * CACHE_BLOCK + key % CACHE_BLOCK
+            tma.async_copy_global_to_shared(kc_desc, [row, col], bar, k_dst.slice(b * PIECE, PIECE))
+            tma.async_copy_global_to_shared(vc_desc, [row, col], bar, v_dst.slice(b * PIECE, PIECE))
+
+
+@gluon.jit
+def _loader(loads, k_smem, v_smem, ready, empty, shape):
+    """The load partition (one warp): each tile's K/V into the next stage its consumers freed."""
+    k_desc, v_desc, kc_desc, vc_desc, table_ptr, col, q_start, first_query, seq_len, n_tiles = loads
+    BLOCK_N: gl.constexpr = shape[2]
+    CACHE_BLOCK: gl.constexpr = shape[3]
+    STAGES: gl.constexpr = shape[4]
+    last_block = (seq_len - 1) // CACHE_BLOCK
+    for j in range(n_tiles):
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+        _issue_tile(j, slot, ready.index(slot), k_smem, v_smem, k_desc, v_desc, kc_desc, vc_desc, table_ptr, col,
+                    q_start, first_query, last_block, BLOCK_N, CACHE_BLOCK)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, pos, tile, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
+             s_layout: gl.constexpr):
+    """One tile's online-softmax step on scores ``s``: the new max, the rescale of what came
+    before, and the tile's weights (the scale folded into the exponent's FMA)."""
+    if MASKED:
+        keys = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1), s, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    return m_new, l_i * alpha + gl.sum(p, 1), p, alpha
+
+
+@gluon.jit
+def _consumer(block, smem, WG: gl.constexpr, shape):
+    """One warpgroup's 64 rows of the block (rows ``64 WG ..``): FlashAttention-3's
+    intra-warpgroup overlap (tile ``j``'s ``Q Kⱼᵀ`` and tile ``j - 1``'s ``P V`` issued together
+    as asynchronous wgmmas, the softmax of tile ``j`` while ``P V`` runs), and its ping-pong
+    between warpgroups: the two take turns to issue (``turn``), so one's softmax runs while the
+    other's products do."""
+    (q_ptr, o_ptr, stride_qn, stride_qh, stride_on, stride_oh, kv_head, q_start, first_query, block_start,
+     first_pos, last_pos, n_tiles, qk_scale, seq_len, table_ptr, vc_ptr, stride_vc) = block
+    q_smem, k_smem, v_smem, ready, empty, turn = smem
+    GROUP: gl.constexpr = shape[0]
+    HEAD_DIM: gl.constexpr = shape[1]
+    BLOCK_N: gl.constexpr = shape[2]
+    CACHE_BLOCK: gl.constexpr = shape[3]
+    STAGES: gl.constexpr = shape[4]
+    ROWS: gl.constexpr = 64
+    gl.static_assert(BLOCK_N == ROWS, "the last tile may be taken again into a query tile")
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    # Row m is position block_start + m // GROUP, head kv_head * GROUP + m % GROUP; rows outside
+    # the chunk repeat its nearest row and are not stored.
+    m = gl.arange(0, ROWS, layout=gl.SliceLayout(1, load_layout)) + WG * ROWS
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, load_layout))
+    pos = gl.minimum(gl.maximum(block_start + m // GROUP, first_pos), last_pos)
+    q_rows = (q_start + pos - first_query).to(gl.int64) * stride_qn + (kv_head * GROUP + m % GROUP) * stride_qh
+    q_tile = q_smem.index(WG)
+    q_tile.store(gl.load(q_ptr + gl.expand_dims(q_rows, 1) + gl.expand_dims(d, 0)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    row_pos = gl.minimum(
+        gl.maximum(block_start + (gl.arange(0, ROWS, layout=row_layout) + WG * ROWS) // GROUP, first_pos), last_pos)
+    m_i = gl.full([ROWS], -float("inf"), gl.float32, row_layout)
+    l_i = gl.zeros([ROWS], gl.float32, row_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    # Tiles before this one hold keys every row sees: no mask.
+    n_full = (first_pos + 1) // BLOCK_N
+
+    # Tile 0 alone: its weights wait for tile 1's scores to be issued beside their product.
+    mbarrier.wait(ready.index(0), 0)
+    mbarrier.wait(turn.index(WG), 0)
+    s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.arrive(turn.index(1 - WG))
+    s = warpgroup_mma_wait(0, deps=(s_tok,))
+    if n_full > 0:
+        m_i, l_i, p, alpha = _softmax(s, m_i, l_i, row_pos, 0, qk_scale, False, BLOCK_N, s_layout)
+    else:
+        m_i, l_i, p, alpha = _softmax(s, m_i, l_i, row_pos, 0, qk_scale, True, BLOCK_N, s_layout)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    for j in range(1, n_tiles):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(turn.index(WG), j & 1)
+        s_tok = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        mbarrier.arrive(turn.index(1 - WG))
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
+        if j < n_full:
+            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, row_pos, j, qk_scale, False, BLOCK_N, s_layout)
+        else:
+            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, row_pos, j, qk_scale, True, BLOCK_N, s_layout)
+        acc, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+        mbarrier.arrive(empty.index(prev))
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    # The last tile's product. Gathered from the cache, it may hold slots past the sequence (its
+    # last block's tail, that block again for blocks past it): weights 0, but the values are
+    # whatever an earlier owner left, and 0 x NaN is NaN. Such a tile is taken again from the
+    # cache with those keys zeroed, into this warpgroup's query tile, free now.
+    start = (n_tiles - 1) * BLOCK_N
+    if (start < first_query) & (start + BLOCK_N > seq_len):
+        keys = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load_layout))
+        ok = keys < seq_len
+        blocks = gl.load(table_ptr + keys // CACHE_BLOCK, mask=ok, other=0).to(gl.int64)
+        slots = (blocks * CACHE_BLOCK + keys % CACHE_BLOCK) * stride_vc + kv_head * HEAD_DIM
+        values = gl.load(vc_ptr + gl.expand_dims(slots, 1) + gl.expand_dims(d, 0), mask=gl.expand_dims(ok, 1),
+                         other=0.0)
+        q_tile.store(values)
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(p_op, q_tile, acc)
+    else:
+        acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc)
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = (acc / gl.expand_dims(l_o, 1)).to(dtype)
+    om = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout)) + WG * ROWS
+    od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_pos = block_start + om // GROUP
+    keep = (o_pos >= first_pos) & (o_pos <= last_pos)
+    o_token = (q_start + gl.minimum(gl.maximum(o_pos, first_pos), last_pos) - first_query).to(gl.int64)
+    o_rows = o_token * stride_on + (kv_head * GROUP + om % GROUP) * stride_oh
+    gl.store(o_ptr + gl.expand_dims(o_rows, 1) + gl.expand_dims(od, 0), out, mask=gl.expand_dims(keep, 1))
+
+
+@gluon.jit
+def _prefill_kernel(
+    q_ptr, o_ptr, stride_qn, stride_qh, stride_on, stride_oh,
+    k_desc, v_desc, kc_desc, vc_desc, vc_ptr, stride_vc,
+    block_tables_ptr, stride_bt, seq_lens_ptr, query_start_loc_ptr, flags_ptr, num_seqs, qk_scale,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, CACHE_BLOCK: gl.constexpr,
+    STAGES: gl.constexpr,
+):  # fmt: skip
+    """A program: one query block of a fast sequence and one KV head (module doc), in three
+    partitions: two consumer warpgroups and a load warp."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    seq, q_start, first_query, seq_len, block_start, first_pos, last_pos, done = _block_of(
+        query_start_loc_ptr, seq_lens_ptr, flags_ptr, num_seqs, 128 // GROUP)
+    if done:
+        return
+    kv_head = gl.program_id(1)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    mbarrier.arrive(turn.index(0))
+    fence_async_shared()
+
+    n_tiles = (last_pos + BLOCK_N) // BLOCK_N
+    table_ptr = block_tables_ptr + seq.to(gl.int64) * stride_bt
+    block = (q_ptr, o_ptr, stride_qn, stride_qh, stride_on, stride_oh, kv_head, q_start, first_query, block_start,
+             first_pos, last_pos, n_tiles, qk_scale, seq_len, table_ptr, vc_ptr, stride_vc)
+    loads = (k_desc, v_desc, kc_desc, vc_desc, table_ptr, kv_head * HEAD_DIM, q_start, first_query, seq_len, n_tiles)
+    shape: gl.constexpr = (GROUP, HEAD_DIM, BLOCK_N, CACHE_BLOCK, STAGES)
+    smem = (q_smem, k_smem, v_smem, ready, empty, turn)
+    gl.warp_specialize([
+        (_consumer, (block, smem, gl.constexpr(0), shape)),
+        (_consumer, (block, smem, gl.constexpr(1), shape)),
+        (_loader, (loads, k_smem, v_smem, ready, empty, shape)),
+    ], [4, 1], [240, 32])
+
+
+def tma_ready(t: torch.Tensor) -> bool:
+    """``t`` ``[rows, kv_heads, head_dim]`` can be read by TMA as ``_descriptor`` sees it."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2] and (t.data_ptr() | t.stride(0) * t.element_size()) % 16 == 0
+
+
+def _descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    """TMA descriptor of ``t`` ``[rows, kv_heads, head_dim]`` seen as ``[rows, kv_heads *
+    head_dim]``, loaded ``block_rows`` keys of one head at a time (heads and dimensions must be
+    contiguous, rows 16-byte aligned: the engine's views of a QKV projection and its cache are)."""
+    rows, heads, dim = t.shape
+    if not tma_ready(t):
+        raise ValueError(f"TMA needs contiguous heads and 16-byte aligned rows; got strides {t.stride()}")
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, dim], _GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, [rows, heads * dim], [t.stride(0), 1], [block_rows, dim], layout)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    flags: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    relaunch: Relaunch | None = None,
+) -> torch.Tensor:
+    """Fast-schedule causal attention of ``q`` ``[N, heads, head_dim]`` into ``out`` for the
+    sequences of ``seq_lens`` whose ``flags`` are 0 (the others' rows are left as they are);
+    ``query_start_loc`` may start past row 0. ``k``/``v`` ``[N, kv_heads, head_dim]`` are the
+    pass's own keys and values, already in the cache. ``relaunch``: a launch site's
+    ``Relaunch``, to skip Triton's JIT call when the arguments repeat (every layer of a step)."""
+    num_seqs, kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    cache_block = k_cache.shape[1]
+    piece = min(cache_block, BLOCK_N)
+    grid = (q.shape[0] // (BLOCK_M // group) + 2 * num_seqs, kv_heads)
+    caches = [c.view(-1, *c.shape[2:]) for c in (k_cache, v_cache)]
+    args = (
+        q, out, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), *(_descriptor(c, piece) for c in caches),
+        v_cache, v_cache.stride(1),
+        block_tables, block_tables.stride(0), seq_lens, query_start_loc, flags, num_seqs, scale * _LOG2E,
+    )  # fmt: skip
+    constants = dict(GROUP=group, HEAD_DIM=q.shape[-1], BLOCK_N=BLOCK_N, CACHE_BLOCK=cache_block, STAGES=STAGES,
+                     num_warps=4, maxnreg=168)  # fmt: skip
+    (relaunch or Relaunch())(_prefill_kernel, grid, args, constants)
+    return out
