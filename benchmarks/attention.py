@@ -7,13 +7,13 @@ canonical rows keep their bits in differently composed batches, then times decod
 launched for the model's longest, as a CUDA graph of the engine is), prefills,
 a chunk after a cached prefix, and prompt steps with decodes beside their prompt rows (the
 decodes in a launch of their own, as the engine runs them, and in the prompt launch), for
-both schedules (on sm_90 prefills also with the fast launch as the Triton kernel, "fast
+both schedules (on sm_90 prefills also as the Triton kernel, "fast triton" and "canonical
 triton", beside ``hopper_prefill``'s, which the engine runs), with
 ``triton.testing.do_bench`` (median).
 The floor is bytes moved over the HBM bandwidth measured in the same run (a ``sum`` over a
 ~4 GB bf16 tensor); for prefill also FLOPs over the bf16 matmul rate measured likewise.
 
-    python benchmarks/attention.py [--out DIR]    # on the GPU: DIR/attention.json
+    python benchmarks/attention.py [--out DIR] [--kinds decode,prefill,mixed]    # on the GPU: DIR/attention.json
     python benchmarks/attention.py --smoke        # tiny sizes, CPU interpreter included
 """
 
@@ -58,6 +58,8 @@ SMOKE_CONFIG = {"kv_tile": 32, "kv_split": 64}
 """Canonical constants under ``--smoke``: the interpreter runs one program per token stored and
 per tile, too slowly for contexts past the real split (4,096 keys)."""
 SMOKE_SPLIT = SMOKE_CONFIG["kv_split"]
+KINDS = {"decode", "prefill", "mixed"}
+"""The timed cases (``--kinds``)."""
 
 
 @dataclass(frozen=True)
@@ -287,12 +289,15 @@ def time_model(
     flops: float,
     device: torch.device,
     smoke: bool,
+    kinds: set[str] = KINDS,
 ) -> list[dict]:
-    """Decode steps over the batch x context grid, then the prefill cases; both schedules."""
+    """Decode steps over the batch x context grid, then the prefill cases, then the mixed steps
+    (those of ``kinds``); both schedules."""
     elem = torch.finfo(DTYPE).bits // 8
     kv_per_token = 2 * kv_heads * head_dim * elem
     cases = [(b, c) for b in sizes.batches for c in sizes.contexts if b * c * kv_per_token <= MEMORY_CAP]
-    shape = (max(b * triton.cdiv(c, BLOCK_SIZE) for b, c in cases), BLOCK_SIZE, kv_heads, head_dim)
+    cases = cases if "decode" in kinds else []
+    shape = (max([b * triton.cdiv(c, BLOCK_SIZE) for b, c in cases], default=1), BLOCK_SIZE, kv_heads, head_dim)
     pool_k = torch.randn(shape, dtype=DTYPE, device=device)
     pool_v = torch.randn(shape, dtype=DTYPE, device=device)
     scale = head_dim**-0.5
@@ -321,9 +326,9 @@ def time_model(
             )
     del pool_k, pool_v
 
-    for seqs, length, prefix in sizes.prefill:
+    for seqs, length, prefix in sizes.prefill if "prefill" in kinds else []:
         rows += time_prefill(heads, kv_heads, head_dim, seqs, length, prefix, bandwidth, flops, device, smoke)
-    for case in sizes.mixed:
+    for case in sizes.mixed if "mixed" in kinds else []:
         rows += time_mixed(heads, kv_heads, head_dim, *case, bandwidth, flops, device, smoke)
     return rows
 
@@ -406,10 +411,10 @@ def time_prefill(
     out = torch.empty_like(step.q)
     flop = 4 * heads * head_dim * seqs * (length * prefix + length * (length + 1) // 2)
     floor_bytes = cached * 2 * kv_heads * head_dim * elem + 2 * step.q.numel() * elem
-    # Where the fast launch runs as the Hopper kernel, the Triton one beside it ("fast triton").
+    # Where the launches run as the Hopper kernel, the Triton ones beside them ("... triton").
     schedules = [("fast", False, True), ("canonical", True, True)]
     if hopper_prefill.supports(step.q, step.k_cache):
-        schedules.append(("fast triton", False, False))
+        schedules += [("fast triton", False, False), ("canonical triton", True, False)]
     for schedule, canonical, hopper in schedules:
         def prefill() -> None:
             step.attend(out, canonical, max_query_len=length, max_seq_len=context)
@@ -474,7 +479,11 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kinds", default=",".join(sorted(KINDS)), help="timed cases, of decode,prefill,mixed")
     opts = parse_args(parser)
+    kinds = set(opts.kinds.split(","))
+    if not kinds <= KINDS:
+        parser.error(f"--kinds takes {sorted(KINDS)}, got {opts.kinds}")
     sizes = SMOKE if opts.smoke else FULL
     if opts.smoke:
         CANONICAL_CONFIG.update(SMOKE_CONFIG)
@@ -496,12 +505,13 @@ def main() -> None:
     for name, (heads, kv_heads, head_dim) in sizes.models.items():
         result["checks"][name] = check_model(sizes, heads, kv_heads, head_dim, device)
         print(f"{name}: correctness {result['checks'][name]}", flush=True)
-        result["timings"][name] = time_model(sizes, heads, kv_heads, head_dim, bandwidth, flops, device, opts.smoke)
+        result["timings"][name] = time_model(sizes, heads, kv_heads, head_dim, bandwidth, flops, device, opts.smoke,
+                                             kinds)
     path = write_json("attention", result, opts.out)
 
     print(f"\n{result['device']}: read bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     print(
-        f"{'model':<14}{'kind':<9}{'batch':>6}{'context':>12}{'schedule':>13}{'ms':>9}{'graph ms':>9}"
+        f"{'model':<14}{'kind':<9}{'batch':>6}{'context':>12}{'schedule':>17}{'ms':>9}{'graph ms':>9}"
         f"{'floor ms':>9}{'floor/graph':>12}{'TFLOP/s':>8}{'graph@limit':>12}"
     )
     for name, rows in result["timings"].items():
@@ -509,7 +519,7 @@ def main() -> None:
             ratio = r["floor_ms"] / r["graph_ms"] if r["graph_ms"] else None
             context = f"{r['prefix']}+{r['context']}" if r.get("prefix") else str(r["context"])
             print(
-                f"{name:<14}{r['kind']:<9}{r['batch']:>6}{context:>12}{r['schedule']:>13}{r['ms']:>9.4f}"
+                f"{name:<14}{r['kind']:<9}{r['batch']:>6}{context:>12}{r['schedule']:>17}{r['ms']:>9.4f}"
                 f"{_fmt(r['graph_ms'], '.4f'):>9}{r['floor_ms']:>9.4f}{_fmt(ratio, '.2f'):>12}"
                 f"{_fmt(r.get('tflops'), '.0f'):>8}{_fmt(r.get('limit_graph_ms'), '.4f'):>12}"
             )

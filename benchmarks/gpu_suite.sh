@@ -12,6 +12,7 @@
 #        host_profile (py-spy samples of the engine's host thread, Qwen at 0 and 100 %; needs the py-spy wheel in .carry/wheels)
 #        host_profile_zero (the same at 0 %, for this code and the code in .carry/base)
 #        attention (the Triton kernels, both schedules, against the floors: decode, prefill, a chunk after a cached prefix)
+#        attention_prefill (its prefill cases alone: on sm_90 the Gluon kernels beside the Triton ones)
 #        attention_timeline (each program of a batch-1 / batch-8 decode attention launch: its walk, the fold, the ends)
 #        attention_host (a prompt step's attention a layer: host time against GPU time, four compositions)
 #        attention_ab (this tree's kernels against a base's, bits and times in one process; AB_BASE names the
@@ -58,7 +59,7 @@ run_step() {
 step() {
   case $1 in
     tests) run_step tests 300 python3 -m pytest -q -x tests/test_gpu.py ;;
-    hopper_tests) run_step hopper_tests 300 python3 -m pytest -q -x tests/test_hopper_prefill.py ;;
+    hopper_tests) run_step hopper_tests 300 python3 -m pytest -q tests/test_hopper_prefill.py ;;
     kernel_tests) run_step kernel_tests 540 python3 -m pytest -q -x tests/test_kernels.py tests/test_layer_kernels.py ;;
     throughput_qwen) run_step throughput_qwen 200 python3 benchmarks/throughput.py --model qwen3-0.6b --peer --lockstep --out "$RES" ;;
     throughput_llama) run_step throughput_llama 200 python3 benchmarks/throughput.py --model llama-3.1-8b --lockstep --out "$RES" ;;
@@ -91,6 +92,7 @@ step() {
           --repeats 2 --out "$RES/host_zero_$code"
       done ;;
     attention) run_step attention 400 python3 benchmarks/attention.py --out "$RES" ;;
+    attention_prefill) run_step attention_prefill 300 python3 benchmarks/attention.py --kinds prefill --out "$RES" ;;
     attention_ab) run_step attention_ab 500 python3 benchmarks/attention_ab.py --base-file "${AB_BASE:-.carry/base_pa.py}" \
       --kinds "${AB_KINDS:-prompt,decode,riding}" --out "$RES" ;;
     attention_timeline) run_step attention_timeline 200 python3 benchmarks/attention_timeline.py --batches 1,8 --out "$RES" ;;

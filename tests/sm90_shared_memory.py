@@ -6,8 +6,8 @@ for sm_90 runs on the CPU, and its lowering to LLVM IR fixes the shared memory a
 for, the figure a launch on the H200 is refused over (``OutOfResources``). The pipeline stops
 there: PTX and ``ptxas`` would add a minute on a 2-core machine and change no byte of it.
 
-Each launch is the one ``paged_attention`` makes, caught at the kernel's call (the fast prompt
-launch both as the Triton kernel and as ``hopper_prefill``'s Gluon one, "hopper prompt"), and is
+Each launch is the one ``paged_attention`` makes, caught at the kernel's call (the prompt
+launches both as the Triton kernel and as ``hopper_prefill``'s Gluon one, "hopper ..."), and is
 specialised by Triton's own binder as the H200 would specialise it: strides of 1 become
 constants, pointers and multiples of 16 are marked divisible by 16. That matters: the
 canonical prompt launch asked for 102 KB unspecialised and 169 KB specialised (bf16, its own
@@ -159,7 +159,8 @@ def main() -> None:
     found = {}
     for name, canonical, query_len, hopper in (
         ("canonical prompt", True, 512, False), ("fast prompt", False, 512, False),
-        ("hopper prompt", False, 512, True), ("canonical decode", True, 1, False), ("fast decode", False, 1, False),
+        ("hopper prompt", False, 512, True), ("hopper canonical prompt", True, 512, True),
+        ("canonical decode", True, 1, False), ("fast decode", False, 1, False),
     ):
         for dtype in (torch.bfloat16,) if spills or hopper else (torch.float32, torch.bfloat16):
             for kernel, args, kwargs in launches(dtype, canonical, query_len, hopper):

@@ -19,11 +19,12 @@ from sid.kernels.attention_ref import paged_attention_ref, store_kv_ref
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 needs_sm90 = pytest.mark.skipif(not SM90, reason="the Gluon kernel runs on sm_90 only (its plan is checked on CPU)")
-SHAPES = [(0, 700), (1000, 130), (77, 1), (0, 0), (3000, 37), (5, 3), (200, 64), (64, 200)]
+SHAPES = [(0, 700), (1000, 130), (77, 1), (0, 0), (3000, 37), (5, 3), (200, 64), (64, 200), (12200, 300)]
 """(cached prefix, chunk) of each sequence: fresh prompts, chunks after a prefix, one-row and
-empty chunks, and chunks whose last tile reaches past the sequence from cached keys."""
+empty chunks, chunks whose last tile reaches past the sequence from cached keys, and rows on
+both sides of a canonical split size's doubling (12,288 keys)."""
 CANONICAL = 1
-"""The sequence flagged canonical: the Hopper kernel leaves its rows alone."""
+"""The sequence flagged canonical (in the fast launch; the only fast one in the canonical)."""
 
 
 class Step:
@@ -96,18 +97,20 @@ def _hopper(plan: attention.AttentionPlan) -> list[attention._Launch]:
     return [one for one in plan.launches if one.sched.hopper]
 
 
-def test_fast_prompt_launches_take_the_hopper_kernel_where_it_fills_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the kernel supports the step (an sm_90 device), a fast prompt launch whose query
-    blocks fill the multiprocessors runs as it, with no partials; canonical launches, decode
-    launches, launches without the pass's own keys and thin ones keep the Triton kernel."""
+def test_prompt_launches_take_the_hopper_kernel_where_it_fills_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel supports the step (an sm_90 device), a prompt launch of either schedule
+    whose query blocks fill the multiprocessors runs as it, with no partials; decode launches,
+    launches without the pass's own keys and thin ones keep the Triton kernel."""
     monkeypatch.setattr(hopper_prefill, "supports", lambda q, k_cache: True)
     step = Step(8, 2, 64, 16, torch.device("cpu"))
-    fast = _plan(step, canonical=False)
-    assert [one.serve for one in _hopper(fast)] == [attention._SERVE_FAST] and fast.slots == 1
+    for canonical, serve in ((False, attention._SERVE_FAST), (True, attention._SERVE_CANONICAL)):
+        plan = _plan(step, canonical=canonical)
+        assert [one.serve for one in _hopper(plan)] == [serve] and plan.slots == 1
     riding = _plan(step, canonical=step.flags)
-    assert [one.serve for one in _hopper(riding)] == [attention._SERVE_FAST]
-    assert any(one.serve == attention._SERVE_CANONICAL and not one.sched.hopper for one in riding.launches)
-    assert not _hopper(_plan(step, canonical=True))
+    assert sorted(one.serve for one in _hopper(riding)) == [attention._SERVE_FAST, attention._SERVE_CANONICAL]
+    decode = attention.plan_attention(step.q[:1], step.k_cache, step.block_tables[2:3], step.seq_lens[2:3],
+                                      torch.tensor([0, 1], dtype=torch.int32), canonical=False, own_keys=True)
+    assert not _hopper(decode)
     none_own = attention.plan_attention(step.q, step.k_cache, step.block_tables, step.seq_lens,
                                         step.query_start_loc, canonical=False)  # fmt: skip
     assert not _hopper(none_own)
@@ -136,6 +139,35 @@ def test_hopper_prefill_matches_the_reference(heads: int, kv_heads: int, head_di
 
 
 @needs_sm90
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 8, 128), (8, 4, 64), (16, 4, 128), (32, 4, 128)])
+def test_hopper_canonical_prefill_has_the_triton_kernels_bits(
+    heads: int, kv_heads: int, head_dim: int, block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The canonical schedule in Gluon gives every canonical row the bits of the Triton
+    kernel's canonical launch (whose bits the kernel tests hold across block shapes, batches
+    and chunkings), and leaves the fast sequence's rows alone."""
+    step = Step(heads, kv_heads, head_dim, block_size, torch.device("cuda"))
+    flags = 1 - step.flags
+    cfg = attention.CANONICAL_CONFIG
+    tiling = hopper_prefill.Canonical(cfg["kv_tile"], cfg["kv_split"], attention._row_splits(heads // kv_heads))
+    assert tiling.row_splits > 0
+    out = torch.full_like(step.q, float("nan"))
+    hopper_prefill.prefill_attention(step.q, step.k, step.v, step.k_cache, step.v_cache, step.block_tables,
+                                     step.seq_lens, step.query_start_loc, flags, head_dim**-0.5, out,
+                                     canonical=tiling)  # fmt: skip
+    monkeypatch.setattr(attention, "HOPPER_PREFILL", False)
+    triton_out = attention.paged_attention(
+        step.q, step.k_cache, step.v_cache, step.block_tables, step.seq_lens, step.query_start_loc, head_dim**-0.5,
+        canonical=True, k=step.k, v=step.v,
+    )  # fmt: skip
+    rows = step.rows_of([s for s in range(len(SHAPES)) if s != CANONICAL])
+    differ = (out[rows] != triton_out[rows]).any(-1).any(-1)
+    assert not differ.any(), f"{int(differ.sum())} of {len(rows)} rows differ, first {rows[differ][:5].tolist()}"
+    assert out[step.rows_of([CANONICAL])].isnan().all()
+
+
+@needs_sm90
 def test_hopper_prefill_serves_sequences_after_others() -> None:
     """A launch over the step's later sequences (``query_start_loc`` past row 0, as beside a
     decode launch) writes their rows alone."""
@@ -153,10 +185,10 @@ def test_hopper_prefill_serves_sequences_after_others() -> None:
 
 @needs_sm90
 def test_riding_prompts_keep_their_canonical_bits_beside_the_hopper_kernel() -> None:
-    """``paged_attention`` with one canonical sequence among fast ones runs the fast ones on
+    """``paged_attention`` with one canonical sequence among fast ones runs both schedules on
     the Hopper kernel; the canonical rows have the bits of an all-canonical launch."""
     step = Step(32, 8, 128, 16, torch.device("cuda"))
-    assert _hopper(_plan(step, canonical=step.flags))
+    assert len(_hopper(_plan(step, canonical=step.flags))) == 2
     args = (step.q, step.k_cache, step.v_cache, step.block_tables, step.seq_lens, step.query_start_loc, 128**-0.5)
     riding = attention.paged_attention(*args, canonical=step.flags, k=step.k, v=step.v)
     alone = attention.paged_attention(*args, canonical=True, k=step.k, v=step.v)
@@ -166,35 +198,81 @@ def test_riding_prompts_keep_their_canonical_bits_beside_the_hopper_kernel() -> 
     assert torch.equal(riding[canonical], alone[canonical])
 
 
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama checkpoint whose prompt chunks fill an H100's or H200's 132 multiprocessors with
+    query blocks: 32 heads, 8 KV heads of 64 dimensions, two layers."""
+    from sid.model.builtin import write_checkpoint
+
+    shape = dict(hidden_size=2048, intermediate_size=2048, num_attention_heads=32, num_key_value_heads=8,
+                 head_dim=64, max_position_embeddings=4096)  # fmt: skip
+    return write_checkpoint(tmp_path_factory.mktemp("wide") / "llama", "LlamaForCausalLM", tokenizer=False, **shape)
+
+
+def _count_launches(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Each Hopper launch from now on: whether it was the canonical schedule's."""
+    launches: list[bool] = []
+    run = hopper_prefill.prefill_attention
+
+    def counted(*args: object, canonical: hopper_prefill.Canonical | None = None, **kw: object) -> torch.Tensor:
+        launches.append(canonical is not None)
+        return run(*args, canonical=canonical, **kw)
+
+    monkeypatch.setattr(hopper_prefill, "prefill_attention", counted)
+    return launches
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(4, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 @needs_sm90
 def test_the_engine_computes_long_prompts_through_the_hopper_kernel(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    wide_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A Llama checkpoint whose prompt chunks fill the GPU (32 heads, 8 KV heads of 64 dims; a
-    1,700-token prompt in chunks of 1,024, the second after the first's cached keys): the Hopper
-    kernel computes their attention, and every prompt logprob is within bf16 noise of
+    """A 1,700-token prompt in chunks of 1,024, the second after the first's cached keys: the
+    Hopper kernel computes their attention, and every prompt logprob is within bf16 noise of
     transformers' forward pass."""
     from transformers import AutoModelForCausalLM
 
     from sid import LLM, SamplingParams
-    from sid.model.builtin import write_checkpoint
 
-    calls = []
-    run = hopper_prefill.prefill_attention
-    monkeypatch.setattr(hopper_prefill, "prefill_attention", lambda *a, **kw: calls.append(1) or run(*a, **kw))
-    shape = dict(hidden_size=2048, intermediate_size=2048, num_attention_heads=32, num_key_value_heads=8,
-                 head_dim=64, max_position_embeddings=4096)  # fmt: skip
-    model = write_checkpoint(tmp_path / "llama", "LlamaForCausalLM", tokenizer=False, **shape)
-    llm = LLM(str(model), gpu_memory_utilization=0.3, max_num_batched_tokens=1024)
-    calls.clear()  # start-up's own passes
-    ids = torch.randint(4, 512, (1700,), generator=torch.Generator().manual_seed(0)).tolist()
+    llm = LLM(str(wide_llama), gpu_memory_utilization=0.3, max_num_batched_tokens=1024)
+    calls = _count_launches(monkeypatch)
+    ids = _prompt(1700, 0)
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
     out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
     layers = 2
-    assert len(calls) == 2 * layers, "both chunks' layers run the Hopper kernel"
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda()
+    assert calls == [False] * 2 * layers, "both chunks' layers run the Hopper kernel"
+    hf = AutoModelForCausalLM.from_pretrained(wide_llama, dtype=torch.bfloat16).cuda()
     with torch.no_grad():
         ref = hf(torch.tensor([ids], device="cuda")).logits[0].float().log_softmax(-1)
     want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].cpu()
     got = torch.tensor([lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], ids[1:])])
     assert (got - want).abs().max() < 0.1
+
+
+@needs_sm90
+def test_a_deterministic_prompt_has_the_same_bits_through_either_kernel(
+    wide_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deterministic request's prompt attended in chunks of 256 (too few query blocks: the
+    Triton kernel) and in one pass beside three other long prompts (the Gluon kernel's
+    canonical schedule): the same tokens and logprobs, bit for bit. Both engines pass the
+    start-up self-test, whose passes differ in size too."""
+    from sid import LLM, SamplingParams
+
+    det = SamplingParams(max_tokens=8, temperature=0, logprobs=3, prompt_logprobs=2, deterministic=True)
+    ids = _prompt(1500, 1)
+    results = []
+    for chunk in (256, 4096):
+        llm = LLM(str(wide_llama), gpu_memory_utilization=0.3, max_num_batched_tokens=chunk)
+        calls = _count_launches(monkeypatch)
+        others = [{"prompt_token_ids": _prompt(1500, 2 + i)} for i in range(3)]
+        fast = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
+        out = llm.generate([*others, {"prompt_token_ids": ids}], [fast] * 3 + [det], use_tqdm=False)[-1]
+        results.append((out.outputs[0].token_ids, out.outputs[0].logprobs, out.prompt_logprobs, out.fingerprint))
+        assert any(calls) == (chunk == 4096), calls
+        monkeypatch.undo()
+        del llm
+    assert results[0] == results[1]

@@ -73,9 +73,10 @@ Steps with prompt rows (the prefill work):
   compiler cannot fuse it differently in the two kinds of tile: a row keeps its bits.
 * The fast schedule gives each program one split, so a program carries one softmax state
   (not a split's beside its fold), and folds the scale into the exponent's FMA.
-* On sm_90, a fast prompt launch whose query blocks fill the multiprocessors without split-KV
-  runs as ``hopper_prefill``'s Gluon kernel instead (``_hopper_prompt``): the same blocks and
-  semantics, with FlashAttention-3's warp specialisation and softmax overlap written out.
+* On sm_90, a prompt launch of either schedule whose query blocks fill the multiprocessors
+  without spreading splits over programs runs as ``hopper_prefill``'s Gluon kernel instead
+  (``_hopper_prompt``): the same blocks and semantics, the canonical rows' bits included, with
+  FlashAttention-3's warp specialisation and softmax overlap written out.
 
 Floor: decode attention is memory-bound; a step cannot beat
 ``(K + V bytes read + Q bytes read + O bytes written) / HBM bandwidth``, i.e. per sequence
@@ -159,7 +160,7 @@ quickest shape on the H200 before the chunk's own keys were read contiguously (8
 against 1.51 for 128-key tiles, 2.38 for 4 warps)."""
 
 HOPPER_PREFILL = True
-"""Fast prompt launches may run as ``hopper_prefill``'s Gluon kernel (``_hopper_prompt``). As
+"""Prompt launches may run as ``hopper_prefill``'s Gluon kernel (``_hopper_prompt``). As
 fractions of the bf16 matmul rate, that kernel / the Triton launch, on an H100 (2026-12-06,
 16-call CUDA graphs; Llama-3.1-8B heads): 8 x 2k 0.55 / 0.46, 2 x 8k 0.69 / 0.62, 1 x 32k
 0.67 / 0.65, a 2k chunk after 16k cached keys 0.70 / 0.38; Qwen3-0.6B heads 0.54 / 0.43, 0.67 /
@@ -271,7 +272,7 @@ class _Schedule(NamedTuple):
     row_splits: int = 0
     """Canonical: the most splits a row has before its split size doubles (``_row_splits``)."""
     hopper: bool = False
-    """Fast prompt launch run by ``hopper_prefill`` (``_hopper_prompt``): one split a program."""
+    """Prompt launch run by ``hopper_prefill`` (``_hopper_prompt``): a block's splits in one program."""
 
 
 
@@ -1164,10 +1165,10 @@ def _target_programs(device: torch.device, prompt: bool = False) -> int:
 
 
 def _hopper_prompt(q: torch.Tensor, k_cache: torch.Tensor, rows: _Rows) -> bool:
-    """A fast prompt launch over ``rows`` runs as ``hopper_prefill``'s kernel: the pass's own
-    keys given, a device and shapes it supports, and query blocks x KV heads enough to fill the
-    multiprocessors, since it has no split-KV (a launch with fewer keeps the Triton one, which
-    splits). ``HOPPER_PREFILL`` off: never (benchmarks compare the two)."""
+    """A prompt launch over ``rows`` runs as ``hopper_prefill``'s kernel: the pass's own keys
+    given, a device and shapes it supports, and query blocks x KV heads enough to fill the
+    multiprocessors, since it spreads no split over programs (a launch with fewer keeps the
+    Triton one, which does). ``HOPPER_PREFILL`` off: never (benchmarks compare the two)."""
     if not (HOPPER_PREFILL and rows.own_keys and hopper_prefill.supports(q, k_cache)):
         return False
     block_q = hopper_prefill.BLOCK_M // (q.shape[1] // k_cache.shape[2])
@@ -1417,6 +1418,8 @@ def plan_attention(
         if fast is not None and fast.prompt and _hopper_prompt(q, k_cache, rows):
             fast = fast._replace(hopper=True, max_splits=1, group=1)
         canon = _canonical_schedule(group, rows.num_tokens, seqs, *shape) if has_canonical else None
+        if canon is not None and canon.prompt and _hopper_prompt(q, k_cache, rows):
+            canon = canon._replace(hopper=True, max_splits=1, group=1)
         found.append((rows, fast, canon))
     # Per schedule: a row's splits at most, and its programs along the keys (more than one
     # leave partials for the combine).
@@ -1614,9 +1617,11 @@ def _launch(batch: _Batch, launch: _Launch) -> None:
     k, v = (batch.k, batch.v) if launch.rows.own_keys else (None, None)
     if launch.sched.hopper and hopper_prefill.tma_ready(k) and hopper_prefill.tma_ready(v):
         rows = launch.rows
+        cfg = CANONICAL_CONFIG
+        tiling = hopper_prefill.Canonical(cfg["kv_tile"], cfg["kv_split"], launch.sched.row_splits)
         hopper_prefill.prefill_attention(
             q, k, v, k_cache, v_cache, rows.block_tables, rows.seq_lens, rows.query_start_loc, rows.flags,
-            batch.scale, out, launch.relaunch,
+            batch.scale, out, launch.relaunch, tiling if launch.serve == _SERVE_CANONICAL else None,
         )  # fmt: skip
         return
     # Both schedules read the pass's own keys through descriptors (the canonical prompt launch:
