@@ -13,7 +13,7 @@ triton", beside ``hopper_prefill``'s, which the engine runs), with
 The floor is bytes moved over the HBM bandwidth measured in the same run (a ``sum`` over a
 ~4 GB bf16 tensor); for prefill also FLOPs over the bf16 matmul rate measured likewise.
 
-    python benchmarks/attention.py [--out DIR] [--kinds decode,prefill,mixed]    # on the GPU: DIR/attention.json
+    python benchmarks/attention.py [--out DIR] [--kinds decode,prefill,mixed] [--models llama-3.1-8b]  # GPU
     python benchmarks/attention.py --smoke        # tiny sizes, CPU interpreter included
 """
 
@@ -480,10 +480,13 @@ def _fmt(value: float | None, spec: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kinds", default=",".join(sorted(KINDS)), help="timed cases, of decode,prefill,mixed")
+    parser.add_argument("--models", default=None, help="head shapes, of " + ",".join(FULL.models))
     opts = parse_args(parser)
     kinds = set(opts.kinds.split(","))
     if not kinds <= KINDS:
         parser.error(f"--kinds takes {sorted(KINDS)}, got {opts.kinds}")
+    if opts.models and not set(opts.models.split(",")) <= set(FULL.models):
+        parser.error(f"--models takes {sorted(FULL.models)}, got {opts.models}")
     sizes = SMOKE if opts.smoke else FULL
     if opts.smoke:
         CANONICAL_CONFIG.update(SMOKE_CONFIG)
@@ -503,6 +506,8 @@ def main() -> None:
         timings={},
     )
     for name, (heads, kv_heads, head_dim) in sizes.models.items():
+        if opts.models and not opts.smoke and name not in opts.models.split(","):
+            continue
         result["checks"][name] = check_model(sizes, heads, kv_heads, head_dim, device)
         print(f"{name}: correctness {result['checks'][name]}", flush=True)
         result["timings"][name] = time_model(sizes, heads, kv_heads, head_dim, bandwidth, flops, device, opts.smoke,
