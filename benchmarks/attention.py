@@ -7,8 +7,8 @@ canonical rows keep their bits in differently composed batches, then times decod
 launched for the model's longest, as a CUDA graph of the engine is), prefills,
 a chunk after a cached prefix, and prompt steps with decodes beside their prompt rows (the
 decodes in a launch of their own, as the engine runs them, and in the prompt launch), for
-both schedules (on sm_90 prefills also as the Triton kernel, "fast triton" and "canonical
-triton", beside ``hopper_prefill``'s, which the engine runs), with
+both schedules (on sm_90 prefills also as ``hopper_prefill``'s Gluon kernels, "fast gluon" and
+"canonical gluon", which the engine runs with ``SID_HOPPER_PREFILL=1``), with
 ``triton.testing.do_bench`` (median).
 The floor is bytes moved over the HBM bandwidth measured in the same run (a ``sum`` over a
 ~4 GB bf16 tensor); for prefill also FLOPs over the bf16 matmul rate measured likewise.
@@ -23,7 +23,8 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,17 +213,23 @@ def check_model(sizes: Sizes, heads: int, kv_heads: int, head_dim: int, device: 
         err = (out.float() - ref(*args, scale).float()).abs().max().item()
         report["canonical_max_err" if canonical else "fast_max_err"] = err
         assert err < TOLERANCE and not out.isnan().any(), f"{'canonical' if canonical else 'fast'} error {err}"
-    # The step's own keys given, as the engine gives them: the fast prompt launch may then run as
-    # the Hopper kernel (sm_90).
+    # The step's own keys given, as the engine gives them, where the prompt launches may run as
+    # the Gluon kernels (sm_90): the fast one against its reference, the canonical one bit for
+    # bit against the Triton kernel.
     step = Step.random(heads, kv_heads, head_dim, [ctx for ctx, _ in sizes.check_shapes],
                        [q_len for _, q_len in sizes.check_shapes], device)  # fmt: skip
     step.store()
-    out = torch.empty_like(step.q)
-    step.attend(out, False)
+    outs = {}
+    for canonical, gluon in ((False, True), (True, True), (True, False)):
+        outs[canonical, gluon] = torch.empty_like(step.q)
+        with hopper(gluon):
+            step.attend(outs[canonical, gluon], canonical)
     step_args = (step.q, step.k_cache, step.v_cache, step.table, step.seq_lens, step.query_start_loc)
-    err = (out.float() - paged_attention_ref(*step_args, scale).float()).abs().max().item()
+    err = (outs[False, True].float() - paged_attention_ref(*step_args, scale).float()).abs().max().item()
     report["fast_own_keys_max_err"] = err
-    assert err < TOLERANCE and not out.isnan().any(), f"fast error {err} with the step's own keys"
+    assert err < TOLERANCE and not outs[False, True].isnan().any(), f"fast error {err} with the step's own keys"
+    report["canonical_own_keys_rows_changed"] = int((outs[True, True] != outs[True, False]).any(-1).any(-1).sum())
+    assert report["canonical_own_keys_rows_changed"] == 0, "canonical rows differ between the Gluon and Triton kernels"
 
     shape = (target_len, kv_heads, head_dim)
     keys, values = torch.randn(shape, device=device), torch.randn(shape, device=device)
@@ -411,18 +418,17 @@ def time_prefill(
     out = torch.empty_like(step.q)
     flop = 4 * heads * head_dim * seqs * (length * prefix + length * (length + 1) // 2)
     floor_bytes = cached * 2 * kv_heads * head_dim * elem + 2 * step.q.numel() * elem
-    # Where the launches run as the Hopper kernel, the Triton ones beside them ("... triton").
-    schedules = [("fast", False, True), ("canonical", True, True)]
+    # The Triton launches, and on sm_90 the Gluon ones beside them ("... gluon").
+    schedules = [("fast", False, False), ("canonical", True, False)]
     if hopper_prefill.supports(step.q, step.k_cache):
-        schedules += [("fast triton", False, False), ("canonical triton", True, False)]
-    for schedule, canonical, hopper in schedules:
+        schedules += [("fast gluon", False, True), ("canonical gluon", True, True)]
+    for schedule, canonical, gluon in schedules:
         def prefill() -> None:
             step.attend(out, canonical, max_query_len=length, max_seq_len=context)
 
-        kernels.HOPPER_PREFILL = hopper
-        ms = bench(prefill, smoke)
-        graph_ms = bench_graph(prefill, smoke)
-        kernels.HOPPER_PREFILL = True
+        with hopper(gluon):
+            ms = bench(prefill, smoke)
+            graph_ms = bench_graph(prefill, smoke)
         rows.append(
             dict(case, schedule=schedule, ms=ms, graph_ms=graph_ms,
                  floor_ms=max(floor_bytes / bandwidth, flop / flops) * 1e3,
@@ -471,6 +477,17 @@ def time_mixed(
             rows.append(dict(case, schedule=schedule if own else f"{schedule} 1L", ms=bench(attend, smoke),
                              graph_ms=bench_graph(attend, smoke)))
     return rows
+
+
+@contextmanager
+def hopper(on: bool) -> Iterator[None]:
+    """Prompt launches run as ``hopper_prefill``'s Gluon kernels where they can (``on``) or not."""
+    kept = kernels.HOPPER_PREFILL
+    kernels.HOPPER_PREFILL = on
+    try:
+        yield
+    finally:
+        kernels.HOPPER_PREFILL = kept
 
 
 def _fmt(value: float | None, spec: str) -> str:

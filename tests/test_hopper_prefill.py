@@ -102,6 +102,7 @@ def test_prompt_launches_take_the_hopper_kernel_where_it_fills_the_gpu(monkeypat
     whose query blocks fill the multiprocessors runs as it, with no partials; decode launches,
     launches without the pass's own keys and thin ones keep the Triton kernel."""
     monkeypatch.setattr(hopper_prefill, "supports", lambda q, k_cache: True)
+    monkeypatch.setattr(attention, "HOPPER_PREFILL", True)
     step = Step(8, 2, 64, 16, torch.device("cpu"))
     for canonical, serve in ((False, attention._SERVE_FAST), (True, attention._SERVE_CANONICAL)):
         plan = _plan(step, canonical=canonical)
@@ -117,8 +118,11 @@ def test_prompt_launches_take_the_hopper_kernel_where_it_fills_the_gpu(monkeypat
     blocks = attention._query_blocks(step.q.shape[0], len(SHAPES), 700, hopper_prefill.BLOCK_M // 4)
     monkeypatch.setattr(attention, "_num_sms", lambda device: blocks * step.kv_heads + 1)
     assert not _hopper(_plan(step, canonical=False))
-    monkeypatch.setattr(hopper_prefill, "supports", lambda q, k_cache: False)
     monkeypatch.setattr(attention, "_num_sms", lambda device: 1)
+    monkeypatch.setattr(hopper_prefill, "supports", lambda q, k_cache: False)
+    assert not _hopper(_plan(step, canonical=False))
+    monkeypatch.setattr(hopper_prefill, "supports", lambda q, k_cache: True)
+    monkeypatch.setattr(attention, "HOPPER_PREFILL", False)  # SID_HOPPER_PREFILL unset
     assert not _hopper(_plan(step, canonical=False))
 
 
@@ -184,9 +188,10 @@ def test_hopper_prefill_serves_sequences_after_others() -> None:
 
 
 @needs_sm90
-def test_riding_prompts_keep_their_canonical_bits_beside_the_hopper_kernel() -> None:
+def test_riding_prompts_keep_their_canonical_bits_beside_the_hopper_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """``paged_attention`` with one canonical sequence among fast ones runs both schedules on
     the Hopper kernel; the canonical rows have the bits of an all-canonical launch."""
+    monkeypatch.setattr(attention, "HOPPER_PREFILL", True)
     step = Step(32, 8, 128, 16, torch.device("cuda"))
     assert len(_hopper(_plan(step, canonical=step.flags))) == 2
     args = (step.q, step.k_cache, step.v_cache, step.block_tables, step.seq_lens, step.query_start_loc, 128**-0.5)
@@ -210,7 +215,9 @@ def wide_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _count_launches(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Each Hopper launch from now on: whether it was the canonical schedule's."""
+    """Each Hopper launch from now on (``SID_HOPPER_PREFILL=1``): whether it was the canonical
+    schedule's."""
+    monkeypatch.setattr(attention, "HOPPER_PREFILL", True)
     launches: list[bool] = []
     run = hopper_prefill.prefill_attention
 
@@ -266,6 +273,7 @@ def test_a_deterministic_prompt_has_the_same_bits_through_either_kernel(
     ids = _prompt(1500, 1)
     results = []
     for chunk in (256, 4096):
+        monkeypatch.setattr(attention, "HOPPER_PREFILL", True)  # the self-test's passes too
         llm = LLM(str(wide_llama), gpu_memory_utilization=0.3, max_num_batched_tokens=chunk)
         calls = _count_launches(monkeypatch)
         others = [{"prompt_token_ids": _prompt(1500, 2 + i)} for i in range(3)]

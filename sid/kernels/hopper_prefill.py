@@ -25,6 +25,8 @@ block table from the cache (the chunk's own keys are stored there as well).
   the bits the Triton kernel gives it in any launch: each split from a fresh state, folded
   left to right into the row's as soon as its last product is in, in the same program.
 
+``paged_attention`` runs these launches with ``SID_HOPPER_PREFILL=1`` (``HOPPER_PREFILL``).
+
 Floor: ``4 * heads * head_dim * (chunk * prefix + chunk * (chunk + 1) / 2)`` FLOPs a sequence
 over the measured bf16 matmul rate (``benchmarks/attention.py`` reports the ratio). Gluon runs
 on a GPU only: on the CPU, ``tests/sm90_shared_memory.py`` compiles it for sm_90a.

@@ -73,10 +73,11 @@ Steps with prompt rows (the prefill work):
   compiler cannot fuse it differently in the two kinds of tile: a row keeps its bits.
 * The fast schedule gives each program one split, so a program carries one softmax state
   (not a split's beside its fold), and folds the scale into the exponent's FMA.
-* On sm_90, a prompt launch of either schedule whose query blocks fill the multiprocessors
-  without spreading splits over programs runs as ``hopper_prefill``'s Gluon kernel instead
-  (``_hopper_prompt``): the same blocks and semantics, the canonical rows' bits included, with
-  FlashAttention-3's warp specialisation and softmax overlap written out.
+* On sm_90, with ``SID_HOPPER_PREFILL=1`` (``HOPPER_PREFILL``), a prompt launch of either
+  schedule whose query blocks fill the multiprocessors without spreading splits over programs
+  runs as ``hopper_prefill``'s Gluon kernel instead (``_hopper_prompt``): the same blocks and
+  semantics, the canonical rows' bits included, with FlashAttention-3's warp specialisation
+  and softmax overlap written out.
 
 Floor: decode attention is memory-bound; a step cannot beat
 ``(K + V bytes read + Q bytes read + O bytes written) / HBM bandwidth``, i.e. per sequence
@@ -98,6 +99,7 @@ and the visible tiles unmasked (2026-12-01, 16-call graphs): 8 x 2048 at 202 TFL
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -159,12 +161,16 @@ the GQA group's power of two when larger). 128-row blocks of 64-key tiles on 8 w
 quickest shape on the H200 before the chunk's own keys were read contiguously (8 x 2k: 1.37 ms
 against 1.51 for 128-key tiles, 2.38 for 4 warps)."""
 
-HOPPER_PREFILL = True
-"""Prompt launches may run as ``hopper_prefill``'s Gluon kernel (``_hopper_prompt``). As
-fractions of the bf16 matmul rate, that kernel / the Triton launch, on an H100 (2026-12-06,
-16-call CUDA graphs; Llama-3.1-8B heads): 8 x 2k 0.55 / 0.46, 2 x 8k 0.69 / 0.62, 1 x 32k
-0.67 / 0.65, a 2k chunk after 16k cached keys 0.70 / 0.38; Qwen3-0.6B heads 0.54 / 0.43, 0.67 /
-0.62, 0.63 / 0.67, 0.69 / 0.35."""
+HOPPER_PREFILL = os.environ.get("SID_HOPPER_PREFILL") == "1"
+"""Prompt launches run as ``hopper_prefill``'s Gluon kernels where they can (``_hopper_prompt``):
+with ``SID_HOPPER_PREFILL=1`` in the environment (the TP workers inherit it). Off by default
+until the kernels as they stand have run on a GPU: an earlier variant of the fast one matched
+the reference and reached, against the Triton launch, as fractions of the bf16 matmul rate
+(H100, 2026-12-07, 16-call CUDA graphs; Llama-3.1-8B heads): 8 x 2k 0.59 / 0.50, 2 x 8k
+0.76 / 0.65, 1 x 32k 0.79 / 0.70, a 2k chunk after 16k cached keys 0.77 / 0.41; Qwen3-0.6B
+heads 0.57 / 0.48, 0.76 / 0.66, 0.80 / 0.70, 0.75 / 0.38. Its tail handling and register
+split changed after, and the canonical one (whose rows must keep the Triton kernel's bits,
+``tests/test_hopper_prefill.py``) has only been compiled for sm_90a."""
 
 _COMBINE_NUM_WARPS = 4
 _COMBINE_PREFETCH = 8
@@ -1168,7 +1174,7 @@ def _hopper_prompt(q: torch.Tensor, k_cache: torch.Tensor, rows: _Rows) -> bool:
     """A prompt launch over ``rows`` runs as ``hopper_prefill``'s kernel: the pass's own keys
     given, a device and shapes it supports, and query blocks x KV heads enough to fill the
     multiprocessors, since it spreads no split over programs (a launch with fewer keeps the
-    Triton one, which does). ``HOPPER_PREFILL`` off: never (benchmarks compare the two)."""
+    Triton one, which does). ``HOPPER_PREFILL`` off: never."""
     if not (HOPPER_PREFILL and rows.own_keys and hopper_prefill.supports(q, k_cache)):
         return False
     block_q = hopper_prefill.BLOCK_M // (q.shape[1] // k_cache.shape[2])
