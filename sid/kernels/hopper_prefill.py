@@ -90,6 +90,12 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
+@gluon.constexpr_function
+def _mma_layout(columns: int) -> gl.NVMMADistributedLayout:
+    """A warpgroup's wgmma accumulator of 64 rows and ``columns`` columns."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, columns, 16])
+
+
 @gluon.jit
 def _find_seq(query_start_loc_ptr, row0, q_block, num_seqs, BLOCK_Q: gl.constexpr):
     """Sequence owning ``q_block`` under the Triton launch's numbering (``paged_attention``'s
@@ -110,7 +116,8 @@ def _block_of(query_start_loc_ptr, seq_lens_ptr, flags_ptr, num_seqs, BLOCK_Q: g
               CANONICAL: gl.constexpr):  # fmt: skip
     """This program's query block, longest first: (sequence, its first query row, the chunk's
     first position, the sequence's length, the block's start, the first and last position of
-    its rows, nothing to do: past the chunk, or a sequence of the other schedule)."""
+    its rows, nothing to do: past the chunk, or a sequence of the other schedule). The
+    arithmetic of ``paged_attention._block_rows``, which a Gluon kernel cannot call."""
     q_block = gl.num_programs(0) - 1 - gl.program_id(0)
     row0 = gl.load(query_start_loc_ptr)
     seq = _find_seq(query_start_loc_ptr, row0, q_block, num_seqs, BLOCK_Q)
@@ -241,11 +248,34 @@ def _row_sum(weights, ones, ROWS: gl.constexpr):
     """Each row's sum of ``weights`` on the matrix unit (``paged_attention._row_sum``): a
     product with a block of ones, whose equal columns' maximum is the sum."""
     SUMS: gl.constexpr = ones.shape[1]
-    sum_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, SUMS, 16])  # fmt: skip
+    sum_layout: gl.constexpr = _mma_layout(SUMS)
     w = gl.convert_layout(weights, gl.DotOperandLayout(operand_index=0, parent=sum_layout, k_width=2))
     sums = warpgroup_mma(w, ones, gl.zeros([ROWS, SUMS], gl.float32, sum_layout), use_acc=False)
     return gl.max(sums, 1)
+
+
+@gluon.jit
+def _first_scores(q_tile, k_smem, ready, turn, zero_s, WG: gl.constexpr):
+    """Tile 0's scores, issued in this warpgroup's turn; its product waits to be issued beside
+    tile 1's scores."""
+    mbarrier.wait(ready.index(0), 0)
+    mbarrier.wait(turn.index(WG), 0)
+    s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.arrive(turn.index(1 - WG))
+    return warpgroup_mma_wait(0, deps=(s_tok,))
+
+
+@gluon.jit
+def _issue(j, q_tile, k_smem, v_smem, ready, turn, zero_s, p_op, acc, WG: gl.constexpr, STAGES: gl.constexpr):
+    """Tile ``j``'s scores and tile ``j - 1``'s product, issued together as asynchronous wgmmas
+    in this warpgroup's turn (``turn``: the warpgroups take turns, so one's softmax runs while
+    the other's products do). Returns their tokens."""
+    mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
+    mbarrier.wait(turn.index(WG), j & 1)
+    s_tok = warpgroup_mma(q_tile, k_smem.index(j % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    o_tok = warpgroup_mma(p_op, v_smem.index((j - 1) % STAGES), acc, is_async=True)
+    mbarrier.arrive(turn.index(1 - WG))
+    return s_tok, o_tok
 
 
 @gluon.jit
@@ -260,10 +290,8 @@ def _fast_walk(q_tile, k_smem, v_smem, ready, empty, turn, row_pos, n_tiles, n_f
     STAGES: gl.constexpr = shape[4]
     ROWS: gl.constexpr = 64
     dtype: gl.constexpr = q_tile.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     m_i = gl.full([ROWS], -float("inf"), gl.float32, row_layout)
@@ -271,12 +299,7 @@ def _fast_walk(q_tile, k_smem, v_smem, ready, empty, turn, row_pos, n_tiles, n_f
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
 
-    # Tile 0 alone: its weights wait for tile 1's scores to be issued beside their product.
-    mbarrier.wait(ready.index(0), 0)
-    mbarrier.wait(turn.index(WG), 0)
-    s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    mbarrier.arrive(turn.index(1 - WG))
-    s = warpgroup_mma_wait(0, deps=(s_tok,))
+    s = _first_scores(q_tile, k_smem, ready, turn, zero_s, WG)
     if n_full > 0:
         m_i, l_i, p, alpha = _softmax(s, m_i, l_i, row_pos, 0, qk_scale, False, BLOCK_N, s_layout)
     else:
@@ -284,20 +307,14 @@ def _fast_walk(q_tile, k_smem, v_smem, ready, empty, turn, row_pos, n_tiles, n_f
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     for j in range(1, n_tiles):
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-        mbarrier.wait(turn.index(WG), j & 1)
-        s_tok = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        mbarrier.arrive(turn.index(1 - WG))
+        s_tok, o_tok = _issue(j, q_tile, k_smem, v_smem, ready, turn, zero_s, p_op, acc, WG, STAGES)
         s = warpgroup_mma_wait(1, deps=(s_tok,))
         if j < n_full:
             m_i, l_i, p, alpha = _softmax(s, m_i, l_i, row_pos, j, qk_scale, False, BLOCK_N, s_layout)
         else:
             m_i, l_i, p, alpha = _softmax(s, m_i, l_i, row_pos, j, qk_scale, True, BLOCK_N, s_layout)
         acc, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-        mbarrier.arrive(empty.index(prev))
+        mbarrier.arrive(empty.index((j - 1) % STAGES))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
@@ -320,10 +337,8 @@ def _canonical_walk(q_tile, k_smem, v_smem, ones, fold, ready, empty, turn, row_
     STAGES: gl.constexpr = shape[4]
     ROWS: gl.constexpr = 64
     dtype: gl.constexpr = q_tile.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -336,11 +351,7 @@ def _canonical_walk(q_tile, k_smem, v_smem, ones, fold, ready, empty, turn, row_
     l_i = l_f
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
 
-    mbarrier.wait(ready.index(0), 0)
-    mbarrier.wait(turn.index(WG), 0)
-    s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    mbarrier.arrive(turn.index(1 - WG))
-    s = warpgroup_mma_wait(0, deps=(s_tok,))
+    s = _first_scores(q_tile, k_smem, ready, turn, zero_s, WG)
     if n_full > 0:
         m_i, p, alpha = _canonical_softmax(s, m_i, row_pos, 0, qk_scale, False, BLOCK_N, s_layout)
     else:
@@ -351,13 +362,7 @@ def _canonical_walk(q_tile, k_smem, v_smem, ones, fold, ready, empty, turn, row_
     p_op = gl.convert_layout(weights, p_layout)
 
     for j in range(1, n_tiles):
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-        mbarrier.wait(turn.index(WG), j & 1)
-        s_tok = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        mbarrier.arrive(turn.index(1 - WG))
+        s_tok, o_tok = _issue(j, q_tile, k_smem, v_smem, ready, turn, zero_s, p_op, acc, WG, STAGES)
         s = warpgroup_mma_wait(1, deps=(s_tok,))
         fresh = (j * BLOCK_N) % split_size == 0
         if fresh:
@@ -373,7 +378,7 @@ def _canonical_walk(q_tile, k_smem, v_smem, ones, fold, ready, empty, turn, row_
         else:
             m_i, p, alpha = _canonical_softmax(s, m_i, row_pos, j, qk_scale, True, BLOCK_N, s_layout)
         acc, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-        mbarrier.arrive(empty.index(prev))
+        mbarrier.arrive(empty.index((j - 1) % STAGES))
         if fresh:
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         weights = p.to(dtype)
@@ -399,10 +404,8 @@ def _consumer(block, smem, WG: gl.constexpr, shape):
     CANONICAL: gl.constexpr = shape[5]
     ROWS: gl.constexpr = 64
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
     # Row m is position block_start + m // GROUP, head kv_head * GROUP + m % GROUP; rows outside
