@@ -34,6 +34,7 @@ on a GPU only: on the CPU, ``tests/sm90_shared_memory.py`` compiles it for sm_90
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -515,8 +516,15 @@ def _descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
     rows, heads, dim = t.shape
     if not tma_ready(t):
         raise ValueError(f"TMA needs contiguous heads and 16-byte aligned rows; got strides {t.stride()}")
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, dim], _GL_DTYPES[t.dtype])
-    return TensorDescriptor(t, [rows, heads * dim], [t.stride(0), 1], [block_rows, dim], layout)
+    return TensorDescriptor(t, [rows, heads * dim], [t.stride(0), 1], [block_rows, dim],
+                            _tile_layout(block_rows, dim, t.dtype))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_layout(rows: int, dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """Shared-memory layout of a TMA tile: found once, where every layer of every prompt step
+    builds four descriptors."""
+    return gl.NVMMASharedLayout.get_default_for([rows, dim], _GL_DTYPES[dtype])
 
 
 def prefill_attention(

@@ -1171,10 +1171,10 @@ def _target_programs(device: torch.device, prompt: bool = False) -> int:
 
 
 def _hopper_prompt(q: torch.Tensor, k_cache: torch.Tensor, rows: _Rows) -> bool:
-    """A prompt launch over ``rows`` runs as ``hopper_prefill``'s kernel: the pass's own keys
-    given, a device and shapes it supports, and query blocks x KV heads enough to fill the
-    multiprocessors, since it spreads no split over programs (a launch with fewer keeps the
-    Triton one, which does). ``HOPPER_PREFILL`` off: never."""
+    """A launch over ``rows`` runs as ``hopper_prefill``'s kernel: the pass's own keys given
+    (only prompt launches take them), a device and shapes it supports, and query blocks x KV
+    heads enough to fill the multiprocessors, since it spreads no split over programs (a
+    launch with fewer keeps the Triton one, which does). ``HOPPER_PREFILL`` off: never."""
     if not (HOPPER_PREFILL and rows.own_keys and hopper_prefill.supports(q, k_cache)):
         return False
     block_q = hopper_prefill.BLOCK_M // (q.shape[1] // k_cache.shape[2])
@@ -1421,11 +1421,9 @@ def plan_attention(
         seqs = rows.seq_lens.shape[0]
         shape = (num_kv_heads, rows.max_query_len, max_seq_len, q.device)
         fast = _fast_schedule(rows.num_tokens, seqs, group, *shape) if has_fast else None
-        if fast is not None and fast.prompt and _hopper_prompt(q, k_cache, rows):
-            fast = fast._replace(hopper=True, max_splits=1, group=1)
         canon = _canonical_schedule(group, rows.num_tokens, seqs, *shape) if has_canonical else None
-        if canon is not None and canon.prompt and _hopper_prompt(q, k_cache, rows):
-            canon = canon._replace(hopper=True, max_splits=1, group=1)
+        if _hopper_prompt(q, k_cache, rows):
+            fast, canon = (s and s._replace(hopper=True, max_splits=1, group=1) for s in (fast, canon))
         found.append((rows, fast, canon))
     # Per schedule: a row's splits at most, and its programs along the keys (more than one
     # leave partials for the combine).
@@ -1494,7 +1492,7 @@ def run_attention(
         assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, "k/v must have the cache's dtype"
     else:
         k = v = None
-    batch = _Batch(q, k_cache, v_cache, out, scale, scale * 1.4426950408889634, k, v)
+    batch = _Batch(q, k_cache, v_cache, out, scale, k, v)
     joining = False
     for launch in plan.launches:
         if launch.beside:
@@ -1524,10 +1522,13 @@ class _Batch(NamedTuple):
     v_cache: torch.Tensor
     out: torch.Tensor
     scale: float
-    scale_log2: float
-    """The softmax scale times log2(e): the kernel takes exponents base 2."""
     k: torch.Tensor | None
     v: torch.Tensor | None
+
+    @property
+    def scale_log2(self) -> float:
+        """The softmax scale times log2(e): the Triton kernel takes exponents base 2."""
+        return self.scale * 1.4426950408889634
 
 
 class _Rows(NamedTuple):
@@ -1622,12 +1623,12 @@ def _launch(batch: _Batch, launch: _Launch) -> None:
     q, k_cache, v_cache, out = batch[:4]
     k, v = (batch.k, batch.v) if launch.rows.own_keys else (None, None)
     if launch.sched.hopper and hopper_prefill.tma_ready(k) and hopper_prefill.tma_ready(v):
-        rows = launch.rows
-        cfg = CANONICAL_CONFIG
-        tiling = hopper_prefill.Canonical(cfg["kv_tile"], cfg["kv_split"], launch.sched.row_splits)
+        rows, cfg = launch.rows, CANONICAL_CONFIG
+        canonical = launch.serve == _SERVE_CANONICAL
         hopper_prefill.prefill_attention(
             q, k, v, k_cache, v_cache, rows.block_tables, rows.seq_lens, rows.query_start_loc, rows.flags,
-            batch.scale, out, launch.relaunch, tiling if launch.serve == _SERVE_CANONICAL else None,
+            batch.scale, out, launch.relaunch,
+            hopper_prefill.Canonical(cfg["kv_tile"], cfg["kv_split"], launch.sched.row_splits) if canonical else None,
         )  # fmt: skip
         return
     # Both schedules read the pass's own keys through descriptors (the canonical prompt launch:
