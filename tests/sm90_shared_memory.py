@@ -132,10 +132,11 @@ def _lowered(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], last: s
 
 
 def registers(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, int | bool]:
-    """Registers a thread of this launch uses on sm_90a, the bytes it spills, and whether ptxas
+    """Registers a thread of this launch uses on sm_90a, its threads (a warp-specialised
+    program's every partition, padded to warpgroups), the bytes it spills, and whether ptxas
     serialised its wgmma instructions (advisory C7515: each waits for the one before, where
     an instruction other than a wgmma defines an accumulator inside a pipeline stage)."""
-    ptx, _ = _lowered(kernel, args, kwargs, "ptx")
+    ptx, metadata = _lowered(kernel, args, kwargs, "ptx")
     ptxas = Path(tl.__file__).parents[1] / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
@@ -146,6 +147,7 @@ def registers(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dic
     spilled = re.search(r"(\d+) bytes spill stores", report)
     return {
         "registers": int(used.group(1)) if used else -1,
+        "threads": metadata["num_warps"] * SM90.warp_size,
         "spill_bytes": int(spilled.group(1)) if spilled else 0,
         "wgmma_serialized": "C7515" in report,
     }

@@ -911,10 +911,12 @@ def test_launches_fit_in_sm90_shared_memory() -> None:
 
 def test_the_fast_prompt_launches_keep_their_wgmma_asynchronous() -> None:
     """ptxas for sm_90a (Triton's own, run on this machine) keeps the wgmma instructions of the
-    fast prompt launches asynchronous, and the Gluon ones (``hopper_prefill``) within the 224
-    registers a thread they launch with: the fast one unspilled, the canonical one (its fold's
-    values in shared memory) with 32 bytes a thread, where it spilled 1,848 with them in
-    registers. The Triton canonical one's are serialised
+    fast prompt launches asynchronous, and the Gluon ones (``hopper_prefill``) launchable: a
+    program's registers (every partition's threads, the load warp's padded to a warpgroup)
+    within sm_90's 65,536, where 224 a thread compiled and was refused at launch on the H100
+    (2026-12-07); the fast one unspilled, the canonical one (its fold's values in shared
+    memory) with 196 bytes a thread, where it spilled 1,848 with them in registers.
+    The Triton canonical one's are serialised
     (advisory C7515: each waits for the one before) by the branch in its tile loop that folds a
     finished split and restarts the next; restarting and folding by selects instead kept them
     asynchronous but made the launch 1.04-1.09x slower on the H200 (2026-12-03), so it keeps
@@ -922,8 +924,8 @@ def test_the_fast_prompt_launches_keep_their_wgmma_asynchronous() -> None:
     found = _lowered_for_sm90("--registers")
     for launch in ("fast prompt bfloat16", "hopper prompt bfloat16", "hopper canonical prompt bfloat16"):
         assert found[launch]["registers"] > 0, found
+        assert found[launch]["registers"] * found[launch]["threads"] <= 65_536, found
         assert not found[launch]["wgmma_serialized"], found
-    for launch in ("hopper prompt bfloat16", "hopper canonical prompt bfloat16"):
-        assert found[launch]["registers"] <= 224, found
+    assert found["hopper prompt bfloat16"]["threads"] == 384, found
     assert found["hopper prompt bfloat16"]["spill_bytes"] == 0, found
-    assert found["hopper canonical prompt bfloat16"]["spill_bytes"] <= 64, found
+    assert found["hopper canonical prompt bfloat16"]["spill_bytes"] <= 256, found

@@ -62,6 +62,17 @@ STAGES = 4
 CANONICAL_STAGES = 2
 """Canonical K/V tiles in flight: its tiles are the canonical schedule's (128 keys), 64 KB a
 stage at head_dim 128; three would pass sm_90's 227 KB."""
+LAUNCH_REGISTERS = 168
+"""Registers a thread launches with: sm_90's 65,536 over a program's 384 threads (Triton pads
+the load warp's partition to a warpgroup). 224 compiled but was refused at launch (384 x 224
+> 65,536; H100, 2026-12-07). The partitions then trade them by ``setmaxnreg``: the load warp
+gives back down to ``LOADER_REGISTERS``, the second consumer takes ``CONSUMER_REGISTERS`` and
+the first (the default partition) what is left."""
+CONSUMER_REGISTERS = gl.constexpr(240)
+LOADER_REGISTERS = {False: 40, True: 32}
+"""A load warp's registers, fast and canonical (ptxas -v for sm_90a, 2026-12-07): fast, 40 leave
+the first consumer 224 and nothing spills; canonical, 32 leave it 232 and it spills 196 bytes
+a thread (24 would give it 240, but the load warp, gathering a tail's values, spills 508)."""
 _LOG2E = 1.4426950408889634
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -450,6 +461,7 @@ def _prefill_kernel(
     canonical_split, row_splits,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, CACHE_BLOCK: gl.constexpr,
     STAGES: gl.constexpr, CANONICAL: gl.constexpr,
+    LOADER_REGS: gl.constexpr,
 ):  # fmt: skip
     """A program: one query block of a sequence of the launch's schedule and one KV head
     (module doc), in three partitions: two consumer warpgroups and a load warp."""
@@ -501,7 +513,7 @@ def _prefill_kernel(
         (_consumer, (block, smem, gl.constexpr(0), shape)),
         (_consumer, (block, smem, gl.constexpr(1), shape)),
         (_loader, (loads, k_smem, v_smem, ready, empty, shape)),
-    ], [4, 1], [240, 48])
+    ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGS])
 
 
 def tma_ready(t: torch.Tensor) -> bool:
@@ -562,6 +574,7 @@ def prefill_attention(
         scale * _LOG2E, canonical.split if canonical else 0, canonical.row_splits if canonical else 0,
     )  # fmt: skip
     constants = dict(GROUP=group, HEAD_DIM=q.shape[-1], BLOCK_N=tile, CACHE_BLOCK=cache_block, STAGES=stages,
-                     CANONICAL=canonical is not None, num_warps=4, maxnreg=224)  # fmt: skip
+                     CANONICAL=canonical is not None, LOADER_REGS=LOADER_REGISTERS[canonical is not None],
+                     num_warps=4, maxnreg=LAUNCH_REGISTERS)  # fmt: skip
     (relaunch or Relaunch())(_prefill_kernel, grid, args, constants)
     return out
