@@ -72,8 +72,9 @@ Launch = tuple[Any, tuple[Any, ...], dict[str, Any]]
 
 def launches(dtype: torch.dtype, canonical: bool, query_len: int, hopper: bool = False) -> list[Launch]:
     """The kernels' launches for 8 sequences of ``query_len`` rows after a 512-key prefix
-    (their own K/V given, as the engine gives them), in one schedule; ``hopper``: the fast
-    prompt launch as ``hopper_prefill``'s kernel, else as the Triton one."""
+    (their own K/V given, as the engine gives them), in one schedule; ``hopper``: the prompt
+    launch as ``hopper_prefill``'s kernel (the canonical one called directly), else as the
+    Triton one."""
     seqs, prefix = 8, 512
     context = prefix + query_len
     blocks = -(-context // BLOCK)
@@ -90,10 +91,15 @@ def launches(dtype: torch.dtype, canonical: bool, query_len: int, hopper: bool =
         setattr(module, name, caught[name])
     attention.HOPPER_PREFILL = hopper
     try:
-        attention.paged_attention(
-            q, cache, cache, table, seq_lens, starts, 0.1, canonical=canonical, max_query_len=query_len,
-            max_seq_len=context, k=own, v=own,
-        )
+        if hopper and canonical:  # the plan keeps canonical launches on Triton: the kernel's call
+            hopper_prefill.prefill_attention(q, own, own, cache, cache, table, seq_lens, starts,
+                                             torch.ones_like(seq_lens), 0.1, torch.empty_like(q),
+                                             canonical=attention.hopper_canonical(HEADS // KV_HEADS))  # fmt: skip
+        else:
+            attention.paged_attention(
+                q, cache, cache, table, seq_lens, starts, 0.1, canonical=canonical, max_query_len=query_len,
+                max_seq_len=context, k=own, v=own,
+            )
     finally:
         for name, module in modules.items():
             setattr(module, name, kernels[name])

@@ -98,17 +98,19 @@ def _hopper(plan: attention.AttentionPlan) -> list[attention._Launch]:
 
 
 def test_prompt_launches_take_the_hopper_kernel_where_it_fills_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the kernel supports the step (an sm_90 device), a prompt launch of either schedule
-    whose query blocks fill the multiprocessors runs as it, with no partials; decode launches,
-    launches without the pass's own keys and thin ones keep the Triton kernel."""
+    """Where the kernel supports the step (an sm_90 device), a fast prompt launch whose query
+    blocks fill the multiprocessors runs as it, with no partials; canonical launches (whose
+    Gluon rows do not have the Triton kernel's bits yet), decode launches, launches without the
+    pass's own keys and thin ones keep the Triton kernel."""
     monkeypatch.setattr(hopper_prefill, "supports", lambda q, k_cache: True)
     monkeypatch.setattr(attention, "HOPPER_PREFILL", True)
     step = Step(8, 2, 64, 16, torch.device("cpu"))
-    for canonical, serve in ((False, attention._SERVE_FAST), (True, attention._SERVE_CANONICAL)):
-        plan = _plan(step, canonical=canonical)
-        assert [one.serve for one in _hopper(plan)] == [serve] and plan.slots == 1
+    plan = _plan(step, canonical=False)
+    assert [one.serve for one in _hopper(plan)] == [attention._SERVE_FAST] and plan.slots == 1
+    assert not _hopper(_plan(step, canonical=True))
     riding = _plan(step, canonical=step.flags)
-    assert sorted(one.serve for one in _hopper(riding)) == [attention._SERVE_FAST, attention._SERVE_CANONICAL]
+    assert [one.serve for one in _hopper(riding)] == [attention._SERVE_FAST]
+    assert [one.serve for one in riding.launches if not one.sched.hopper] == [attention._SERVE_CANONICAL]
     decode = attention.plan_attention(step.q[:1], step.k_cache, step.block_tables[2:3], step.seq_lens[2:3],
                                       torch.tensor([0, 1], dtype=torch.int32), canonical=False, own_keys=True)
     assert not _hopper(decode)
@@ -143,35 +145,6 @@ def test_hopper_prefill_matches_the_reference(heads: int, kv_heads: int, head_di
 
 
 @needs_sm90
-@pytest.mark.parametrize("block_size", [16, 128])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 8, 128), (8, 4, 64), (16, 4, 128), (32, 4, 128)])
-def test_hopper_canonical_prefill_has_the_triton_kernels_bits(
-    heads: int, kv_heads: int, head_dim: int, block_size: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The canonical schedule in Gluon gives every canonical row the bits of the Triton
-    kernel's canonical launch (whose bits the kernel tests hold across block shapes, batches
-    and chunkings), and leaves the fast sequence's rows alone."""
-    step = Step(heads, kv_heads, head_dim, block_size, torch.device("cuda"))
-    flags = 1 - step.flags
-    cfg = attention.CANONICAL_CONFIG
-    tiling = hopper_prefill.Canonical(cfg["kv_tile"], cfg["kv_split"], attention._row_splits(heads // kv_heads))
-    assert tiling.row_splits > 0
-    out = torch.full_like(step.q, float("nan"))
-    hopper_prefill.prefill_attention(step.q, step.k, step.v, step.k_cache, step.v_cache, step.block_tables,
-                                     step.seq_lens, step.query_start_loc, flags, head_dim**-0.5, out,
-                                     canonical=tiling)  # fmt: skip
-    monkeypatch.setattr(attention, "HOPPER_PREFILL", False)
-    triton_out = attention.paged_attention(
-        step.q, step.k_cache, step.v_cache, step.block_tables, step.seq_lens, step.query_start_loc, head_dim**-0.5,
-        canonical=True, k=step.k, v=step.v,
-    )  # fmt: skip
-    rows = step.rows_of([s for s in range(len(SHAPES)) if s != CANONICAL])
-    differ = (out[rows] != triton_out[rows]).any(-1).any(-1)
-    assert not differ.any(), f"{int(differ.sum())} of {len(rows)} rows differ, first {rows[differ][:5].tolist()}"
-    assert out[step.rows_of([CANONICAL])].isnan().all()
-
-
-@needs_sm90
 def test_hopper_prefill_serves_sequences_after_others() -> None:
     """A launch over the step's later sequences (``query_start_loc`` past row 0, as beside a
     decode launch) writes their rows alone."""
@@ -189,11 +162,12 @@ def test_hopper_prefill_serves_sequences_after_others() -> None:
 
 @needs_sm90
 def test_riding_prompts_keep_their_canonical_bits_beside_the_hopper_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``paged_attention`` with one canonical sequence among fast ones runs both schedules on
-    the Hopper kernel; the canonical rows have the bits of an all-canonical launch."""
+    """``paged_attention`` with one canonical sequence among fast ones runs the fast schedule on
+    the Hopper kernel beside the Triton canonical launch; the fast rows match the reference and
+    the canonical rows have the bits of an all-canonical launch."""
     monkeypatch.setattr(attention, "HOPPER_PREFILL", True)
     step = Step(32, 8, 128, 16, torch.device("cuda"))
-    assert len(_hopper(_plan(step, canonical=step.flags))) == 2
+    assert len(_hopper(_plan(step, canonical=step.flags))) == 1
     args = (step.q, step.k_cache, step.v_cache, step.block_tables, step.seq_lens, step.query_start_loc, 128**-0.5)
     riding = attention.paged_attention(*args, canonical=step.flags, k=step.k, v=step.v)
     alone = attention.paged_attention(*args, canonical=True, k=step.k, v=step.v)
@@ -263,10 +237,10 @@ def test_the_engine_computes_long_prompts_through_the_hopper_kernel(
 def test_a_deterministic_prompt_has_the_same_bits_through_either_kernel(
     wide_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A deterministic request's prompt attended in chunks of 256 (too few query blocks: the
-    Triton kernel) and in one pass beside three other long prompts (the Gluon kernel's
-    canonical schedule): the same tokens and logprobs, bit for bit. Both engines pass the
-    start-up self-test, whose passes differ in size too."""
+    """A deterministic request's prompt attended in chunks of 256 (too few query blocks for the
+    Gluon kernel) and in one pass beside three other long prompts (whose fast rows the Gluon
+    kernel attends, beside the Triton canonical launch): the same tokens and logprobs, bit for
+    bit. Both engines pass the start-up self-test, whose passes differ in size too."""
     from sid import LLM, SamplingParams
 
     det = SamplingParams(max_tokens=8, temperature=0, logprobs=3, prompt_logprobs=2, deterministic=True)
@@ -280,7 +254,39 @@ def test_a_deterministic_prompt_has_the_same_bits_through_either_kernel(
         fast = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
         out = llm.generate([*others, {"prompt_token_ids": ids}], [fast] * 3 + [det], use_tqdm=False)[-1]
         results.append((out.outputs[0].token_ids, out.outputs[0].logprobs, out.prompt_logprobs, out.fingerprint))
-        assert any(calls) == (chunk == 4096), calls
+        assert not any(calls) and bool(calls) == (chunk == 4096), calls
         monkeypatch.undo()
         del llm
     assert results[0] == results[1]
+
+
+@needs_sm90
+@pytest.mark.xfail(strict=True, reason="H100, 2026-12-07: rows differ from the Triton kernel's (GQA 1), an illegal "
+                   "address at GQA 2, head_dim 64, 16-slot blocks; the plan keeps canonical launches on Triton")
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 8, 128), (8, 4, 64), (16, 4, 128), (32, 4, 128)])
+def test_hopper_canonical_prefill_has_the_triton_kernels_bits(
+    heads: int, kv_heads: int, head_dim: int, block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The canonical schedule in Gluon gives every canonical row the bits of the Triton
+    kernel's canonical launch (whose bits the kernel tests hold across block shapes, batches
+    and chunkings), and leaves the fast sequence's rows alone: the condition for the plan to
+    run canonical launches on it. Last in the file: an illegal address ends the process's
+    CUDA context."""
+    step = Step(heads, kv_heads, head_dim, block_size, torch.device("cuda"))
+    flags = 1 - step.flags
+    tiling = attention.hopper_canonical(heads // kv_heads)
+    assert tiling.row_splits > 0
+    out = torch.full_like(step.q, float("nan"))
+    hopper_prefill.prefill_attention(step.q, step.k, step.v, step.k_cache, step.v_cache, step.block_tables,
+                                     step.seq_lens, step.query_start_loc, flags, head_dim**-0.5, out,
+                                     canonical=tiling)  # fmt: skip
+    monkeypatch.setattr(attention, "HOPPER_PREFILL", False)
+    triton_out = attention.paged_attention(
+        step.q, step.k_cache, step.v_cache, step.block_tables, step.seq_lens, step.query_start_loc, head_dim**-0.5,
+        canonical=True, k=step.k, v=step.v,
+    )  # fmt: skip
+    rows = step.rows_of([s for s in range(len(SHAPES)) if s != CANONICAL])
+    differ = (out[rows] != triton_out[rows]).any(-1).any(-1)
+    assert not differ.any(), f"{int(differ.sum())} of {len(rows)} rows differ, first {rows[differ.cpu()][:5].tolist()}"
+    assert out[step.rows_of([CANONICAL])].isnan().all()

@@ -73,11 +73,12 @@ Steps with prompt rows (the prefill work):
   compiler cannot fuse it differently in the two kinds of tile: a row keeps its bits.
 * The fast schedule gives each program one split, so a program carries one softmax state
   (not a split's beside its fold), and folds the scale into the exponent's FMA.
-* On sm_90, with ``SID_HOPPER_PREFILL=1`` (``HOPPER_PREFILL``), a prompt launch of either
-  schedule whose query blocks fill the multiprocessors without spreading splits over programs
-  runs as ``hopper_prefill``'s Gluon kernel instead (``_hopper_prompt``): the same blocks and
-  semantics, the canonical rows' bits included, with FlashAttention-3's warp specialisation
-  and softmax overlap written out.
+* On sm_90, with ``SID_HOPPER_PREFILL=1`` (``HOPPER_PREFILL``), a fast prompt launch whose
+  query blocks fill the multiprocessors without spreading splits over programs runs as
+  ``hopper_prefill``'s Gluon kernel instead (``_hopper_prompt``): the same blocks and
+  semantics, with FlashAttention-3's warp specialisation and softmax overlap written out.
+  Canonical launches keep the Triton kernel: the Gluon canonical schedule does not give its
+  bits yet (``hopper_canonical``).
 
 Floor: decode attention is memory-bound; a step cannot beat
 ``(K + V bytes read + Q bytes read + O bytes written) / HBM bandwidth``, i.e. per sequence
@@ -162,15 +163,17 @@ quickest shape on the H200 before the chunk's own keys were read contiguously (8
 against 1.51 for 128-key tiles, 2.38 for 4 warps)."""
 
 HOPPER_PREFILL = os.environ.get("SID_HOPPER_PREFILL") == "1"
-"""Prompt launches run as ``hopper_prefill``'s Gluon kernels where they can (``_hopper_prompt``):
-with ``SID_HOPPER_PREFILL=1`` in the environment (the TP workers inherit it). Off by default
-until the kernels as they stand have run on a GPU: an earlier variant of the fast one matched
-the reference and reached, against the Triton launch, as fractions of the bf16 matmul rate
-(H100, 2026-12-07, 16-call CUDA graphs; Llama-3.1-8B heads): 8 x 2k 0.59 / 0.50, 2 x 8k
-0.76 / 0.65, 1 x 32k 0.79 / 0.70, a 2k chunk after 16k cached keys 0.77 / 0.41; Qwen3-0.6B
-heads 0.57 / 0.48, 0.76 / 0.66, 0.80 / 0.70, 0.75 / 0.38. Its tail handling and register
-split changed after, and the canonical one (whose rows must keep the Triton kernel's bits,
-``tests/test_hopper_prefill.py``) has only been compiled for sm_90a."""
+"""Fast prompt launches run as ``hopper_prefill``'s Gluon kernel where they can
+(``_hopper_prompt``): with ``SID_HOPPER_PREFILL=1`` in the environment (the TP workers inherit
+it). Off by default until it has run in the engine on a GPU. On an H100 (2026-12-07) the kernel
+as it stands matched the reference in its eight kernel tests (GQA 1-8, head_dim 64/128, cache
+blocks 16/128, NaN-poisoned caches); its engine tests and timings did not run. An earlier
+variant reached, against the Triton launch, as fractions of the bf16 matmul rate (H100,
+2026-12-07, 16-call CUDA graphs; Llama-3.1-8B heads): 8 x 2k 0.59 / 0.50, 2 x 8k 0.76 / 0.65,
+1 x 32k 0.79 / 0.70, a 2k chunk after 16k cached keys 0.77 / 0.41; Qwen3-0.6B heads 0.57 /
+0.48, 0.76 / 0.66, 0.80 / 0.70, 0.75 / 0.38. Canonical launches never take it: its canonical
+schedule (``hopper_canonical``) gave rows other bits than the Triton kernel's and, at GQA 2,
+head_dim 64 and 16-slot blocks, an illegal address (H100, 2026-12-07)."""
 
 _COMBINE_NUM_WARPS = 4
 _COMBINE_PREFETCH = 8
@@ -1171,15 +1174,23 @@ def _target_programs(device: torch.device, prompt: bool = False) -> int:
 
 
 def _hopper_prompt(q: torch.Tensor, k_cache: torch.Tensor, rows: _Rows) -> bool:
-    """A launch over ``rows`` runs as ``hopper_prefill``'s kernel: the pass's own keys given
-    (only prompt launches take them), a device and shapes it supports, and query blocks x KV
-    heads enough to fill the multiprocessors, since it spreads no split over programs (a
+    """A fast launch over ``rows`` runs as ``hopper_prefill``'s kernel: the pass's own keys
+    given (only prompt launches take them), a device and shapes it supports, and query blocks x
+    KV heads enough to fill the multiprocessors, since it spreads no split over programs (a
     launch with fewer keeps the Triton one, which does). ``HOPPER_PREFILL`` off: never."""
     if not (HOPPER_PREFILL and rows.own_keys and hopper_prefill.supports(q, k_cache)):
         return False
     block_q = hopper_prefill.BLOCK_M // (q.shape[1] // k_cache.shape[2])
     blocks = _query_blocks(rows.num_tokens, rows.seq_lens.shape[0], rows.max_query_len, block_q)
     return blocks * k_cache.shape[2] >= _num_sms(q.device)
+
+
+def hopper_canonical(group: int) -> hopper_prefill.Canonical:
+    """The canonical tiling ``hopper_prefill`` takes for a model of GQA ``group``: this kernel's
+    tiles, splits and split growth. Its rows must get this kernel's bits before the plan runs
+    canonical launches on it; so far only the tests and the attention benchmark call it."""
+    cfg = CANONICAL_CONFIG
+    return hopper_prefill.Canonical(cfg["kv_tile"], cfg["kv_split"], _row_splits(group))
 
 
 def _query_blocks(num_tokens: int, num_seqs: int, max_query_len: int, block_q: int) -> int:
@@ -1422,8 +1433,8 @@ def plan_attention(
         shape = (num_kv_heads, rows.max_query_len, max_seq_len, q.device)
         fast = _fast_schedule(rows.num_tokens, seqs, group, *shape) if has_fast else None
         canon = _canonical_schedule(group, rows.num_tokens, seqs, *shape) if has_canonical else None
-        if _hopper_prompt(q, k_cache, rows):
-            fast, canon = (s and s._replace(hopper=True, max_splits=1, group=1) for s in (fast, canon))
+        if fast is not None and _hopper_prompt(q, k_cache, rows):
+            fast = fast._replace(hopper=True, max_splits=1, group=1)
         found.append((rows, fast, canon))
     # Per schedule: a row's splits at most, and its programs along the keys (more than one
     # leave partials for the combine).
@@ -1623,12 +1634,10 @@ def _launch(batch: _Batch, launch: _Launch) -> None:
     q, k_cache, v_cache, out = batch[:4]
     k, v = (batch.k, batch.v) if launch.rows.own_keys else (None, None)
     if launch.sched.hopper and hopper_prefill.tma_ready(k) and hopper_prefill.tma_ready(v):
-        rows, cfg = launch.rows, CANONICAL_CONFIG
-        canonical = launch.serve == _SERVE_CANONICAL
+        rows = launch.rows
         hopper_prefill.prefill_attention(
             q, k, v, k_cache, v_cache, rows.block_tables, rows.seq_lens, rows.query_start_loc, rows.flags,
             batch.scale, out, launch.relaunch,
-            hopper_prefill.Canonical(cfg["kv_tile"], cfg["kv_split"], launch.sched.row_splits) if canonical else None,
         )  # fmt: skip
         return
     # Both schedules read the pass's own keys through descriptors (the canonical prompt launch:
