@@ -21,11 +21,16 @@ block table from the cache (the chunk's own keys are stored there as well).
 
 * Fast (``paged_attention_ref``): 64-key tiles, the scale folded into the exponent's FMA.
 * Canonical (``paged_attention_canonical_ref``, DESIGN 3.1): the Triton kernel's tiles (128
-  keys) and splits (``Canonical``), and its arithmetic operation for operation, so a row gets
-  the bits the Triton kernel gives it in any launch: each split from a fresh state, folded
-  left to right into the row's as soon as its last product is in, in the same program.
+  keys) and splits (``Canonical``), and its arithmetic operation for operation, meant to give a
+  row the bits the Triton kernel gives it in any launch (not yet: below): each split from a
+  fresh state, folded left to right into the row's as soon as its last product is in, in the
+  same program. The PTX of both kernels' softmax, merge and row sum matches instruction for
+  instruction but for the row sum's width (wgmma n8 here, n16 there).
 
-``paged_attention`` runs these launches with ``SID_HOPPER_PREFILL=1`` (``HOPPER_PREFILL``).
+``paged_attention`` runs the fast launches with ``SID_HOPPER_PREFILL=1`` (``HOPPER_PREFILL``).
+The canonical one is not run by the engine: on an H100 (2026-12-07) its rows differed from the
+Triton kernel's bits (GQA 1, both cache block sizes) and at GQA 2, head_dim 64 and 16-slot
+blocks it read an illegal address (``tests/test_hopper_prefill.py``, xfail).
 
 Floor: ``4 * heads * head_dim * (chunk * prefix + chunk * (chunk + 1) / 2)`` FLOPs a sequence
 over the measured bf16 matmul rate (``benchmarks/attention.py`` reports the ratio). Gluon runs
