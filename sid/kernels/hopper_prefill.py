@@ -24,8 +24,9 @@ block table from the cache (the chunk's own keys are stored there as well).
   keys) and splits (``Canonical``), and its arithmetic operation for operation, meant to give a
   row the bits the Triton kernel gives it in any launch (not yet: below): each split from a
   fresh state, folded left to right into the row's as soon as its last product is in, in the
-  same program. The PTX of both kernels' softmax, merge and row sum matches instruction for
-  instruction but for the row sum's width (wgmma n8 here, n16 there).
+  same program. Both kernels' PTX for sm_90a has the same kinds of instruction on each line
+  of the softmax, the merge and the rescale (``mul.rn``, ``ex2.approx.ftz``, ``fma.rn``, the
+  rounding to bf16, ``div.full``); the row sum's wgmma is 8 wide here, 16 there.
 
 ``paged_attention`` runs the fast launches with ``SID_HOPPER_PREFILL=1`` (``HOPPER_PREFILL``).
 The canonical one is not run by the engine: on an H100 (2026-12-07) its rows differed from the
