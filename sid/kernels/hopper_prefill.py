@@ -79,7 +79,9 @@ LOADER_REGISTERS = {False: 40, True: 32}
 """A load warp's registers, fast and canonical (ptxas -v for sm_90a, 2026-12-07): fast, 40 leave
 the first consumer 224 and nothing spills; canonical, 32 leave it 232 and it spills 196 bytes
 a thread (24 would give it 240, but the load warp, gathering a tail's values, spills 508)."""
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
+"""log2(e): both attention kernels take exponents base 2, the scale multiplied by it on the host
+(one constant, so the Triton and Gluon kernels get the same scale's bits)."""
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -577,7 +579,7 @@ def prefill_attention(
         q, out, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         _descriptor(k, tile), _descriptor(v, tile), *(_descriptor(c, piece) for c in caches),
         v_cache, v_cache.stride(1), block_tables, block_tables.stride(0), seq_lens, query_start_loc, flags, num_seqs,
-        scale * _LOG2E, canonical.split if canonical else 0, canonical.row_splits if canonical else 0,
+        scale * LOG2E, canonical.split if canonical else 0, canonical.row_splits if canonical else 0,
     )  # fmt: skip
     constants = dict(GROUP=group, HEAD_DIM=q.shape[-1], BLOCK_N=tile, CACHE_BLOCK=cache_block, STAGES=stages,
                      CANONICAL=canonical is not None, LOADER_REGS=LOADER_REGISTERS[canonical is not None],

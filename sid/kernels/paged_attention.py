@@ -1539,7 +1539,7 @@ class _Batch(NamedTuple):
     @property
     def scale_log2(self) -> float:
         """The softmax scale times log2(e): the Triton kernel takes exponents base 2."""
-        return self.scale * 1.4426950408889634
+        return self.scale * hopper_prefill.LOG2E
 
 
 class _Rows(NamedTuple):
