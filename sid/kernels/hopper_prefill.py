@@ -266,11 +266,14 @@ def _merge(m_i, l_i, acc, m_s, l_s, acc_s, o_layout: gl.constexpr):
 @gluon.jit
 def _row_sum(weights, ones, ROWS: gl.constexpr):
     """Each row's sum of ``weights`` on the matrix unit (``paged_attention._row_sum``): a
-    product with a block of ones, whose equal columns' maximum is the sum."""
-    SUMS: gl.constexpr = ones.shape[1]
+    product with a block of ones, whose equal columns' maximum is the sum. The ones are kept
+    ``[SUMS, keys]``, keys contiguous, and read transposed as K is: kept ``[keys, 8]`` (16-byte
+    rows, no swizzle) Triton 3.6 built wgmma descriptors that read past the block (H100,
+    2026-12-07: rows seeing key 32 or later wrong, an illegal address at head_dim 64)."""
+    SUMS: gl.constexpr = ones.shape[0]
     sum_layout: gl.constexpr = _mma_layout(SUMS)
     w = gl.convert_layout(weights, gl.DotOperandLayout(operand_index=0, parent=sum_layout, k_width=2))
-    sums = warpgroup_mma(w, ones, gl.zeros([ROWS, SUMS], gl.float32, sum_layout), use_acc=False)
+    sums = warpgroup_mma(w, ones.permute((1, 0)), gl.zeros([ROWS, SUMS], gl.float32, sum_layout), use_acc=False)
     return gl.max(sums, 1)
 
 
@@ -488,8 +491,8 @@ def _prefill_kernel(
     SUMS: gl.constexpr = 8
     ONES: gl.constexpr = BLOCK_N if CANONICAL else 16
     fill: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
-    ones = gl.allocate_shared_memory(dtype, [ONES, SUMS], gl.NVMMASharedLayout.get_default_for([ONES, SUMS], dtype),
-                                     gl.full([ONES, SUMS], 1.0, dtype, fill))  # fmt: skip
+    ones = gl.allocate_shared_memory(dtype, [SUMS, ONES], gl.NVMMASharedLayout.get_default_for([SUMS, ONES], dtype),
+                                     gl.full([SUMS, ONES], 1.0, dtype, fill))  # fmt: skip
     fold = gl.allocate_shared_memory(gl.float32, [2, 64, HEAD_DIM if CANONICAL else 4],
                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # fmt: skip
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
