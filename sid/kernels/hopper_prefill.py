@@ -26,12 +26,15 @@ block table from the cache (the chunk's own keys are stored there as well).
   fresh state, folded left to right into the row's as soon as its last product is in, in the
   same program. Both kernels' PTX for sm_90a has the same kinds of instruction on each line
   of the softmax, the merge and the rescale (``mul.rn``, ``ex2.approx.ftz``, ``fma.rn``, the
-  rounding to bf16, ``div.full``); the row sum's wgmma is 8 wide here, 16 there.
+  rounding to bf16, ``div.full``); the row sum's wgmma is 8 wide here, 16 there (each column the
+  same dot product of a row's weights with ones).
 
 ``paged_attention`` runs the fast launches with ``SID_HOPPER_PREFILL=1`` (``HOPPER_PREFILL``).
-The canonical one is not run by the engine: on an H100 (2026-12-07) its rows differed from the
-Triton kernel's bits (GQA 1, both cache block sizes) and at GQA 2, head_dim 64 and 16-slot
-blocks it read an illegal address (``tests/test_hopper_prefill.py``, xfail).
+The canonical one is not run by the engine: on an H100 (2026-12-07) every row that saw key 32
+or later was wrong against the fp32 reference (by up to 1.5, some NaN; with one split a row as
+well, so not the fold), and at head_dim 64 it read an illegal address: its row sum's block of
+ones, kept ``[keys, 8]``, got wgmma descriptors that read past it. ``_row_sum`` now keeps it
+transposed; not yet run on a GPU (``tests/test_hopper_prefill.py``, xfail).
 
 Floor: ``4 * heads * head_dim * (chunk * prefix + chunk * (chunk + 1) / 2)`` FLOPs a sequence
 over the measured bf16 matmul rate (``benchmarks/attention.py`` reports the ratio). Gluon runs

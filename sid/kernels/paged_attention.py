@@ -165,15 +165,17 @@ against 1.51 for 128-key tiles, 2.38 for 4 warps)."""
 HOPPER_PREFILL = os.environ.get("SID_HOPPER_PREFILL") == "1"
 """Fast prompt launches run as ``hopper_prefill``'s Gluon kernel where they can
 (``_hopper_prompt``): with ``SID_HOPPER_PREFILL=1`` in the environment (the TP workers inherit
-it). Off by default until it has run in the engine on a GPU. On an H100 (2026-12-07) the kernel
-as it stands matched the reference in its eight kernel tests (GQA 1-8, head_dim 64/128, cache
-blocks 16/128, NaN-poisoned caches); its engine tests and timings did not run. An earlier
+it). Off by default until its speed as it stands is measured. On an H100 (2026-12-07) the
+kernel as it stands matched the reference in its eight kernel tests (GQA 1-8, head_dim 64/128,
+cache blocks 16/128, NaN-poisoned caches) and passed its engine tests (prompt logprobs against
+transformers; a deterministic prompt's bits with fast prompts beside it on the Gluon kernel);
+it has not been timed since its register split changed. An earlier
 variant reached, against the Triton launch, as fractions of the bf16 matmul rate (H100,
 2026-12-07, 16-call CUDA graphs; Llama-3.1-8B heads): 8 x 2k 0.59 / 0.50, 2 x 8k 0.76 / 0.65,
 1 x 32k 0.79 / 0.70, a 2k chunk after 16k cached keys 0.77 / 0.41; Qwen3-0.6B heads 0.57 /
 0.48, 0.76 / 0.66, 0.80 / 0.70, 0.75 / 0.38. Canonical launches never take it: its canonical
-schedule (``hopper_canonical``) gave rows other bits than the Triton kernel's and, at GQA 2,
-head_dim 64 and 16-slot blocks, an illegal address (H100, 2026-12-07)."""
+schedule (``hopper_canonical``) gave wrong rows and, at head_dim 64, an illegal address (H100,
+2026-12-07; ``hopper_prefill``'s module doc)."""
 
 _COMBINE_NUM_WARPS = 4
 _COMBINE_PREFETCH = 8
