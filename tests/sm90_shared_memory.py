@@ -137,11 +137,24 @@ def _lowered(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], last: s
     raise RuntimeError(f"no {last} stage for sm_90")
 
 
-def registers(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, int | bool]:
+def _descriptors(ptx: str) -> dict[str, Any]:
+    """The wgmma shared-memory descriptors of ``ptx`` built from a constant (added to, or-ed
+    into or moved to a descriptor register): how many, and their nonzero "matrix base offset"
+    fields (bits 49-51). PTX gives 0 for canonical layouts; Triton 3.6 built 2, 4 and 6 for a
+    Gluon operand of 16-byte rows without swizzle (the canonical row sum's ones), and the rows
+    of that kernel seeing key 32 or later came out wrong on an H100 (2026-12-07)."""
+    used = {reg for line in ptx.splitlines() if "wgmma.mma_async" in line for reg in re.findall(r"%rd\d+", line)}
+    built = re.findall(r"(?:add\.s64|or\.b64|mov\.b64)\s+(%rd\d+),(?:\s*%rd\d+,)?\s*(-?\d+);", ptx)
+    offsets = [(int(imm) % (1 << 64)) >> 49 & 7 for reg, imm in built if reg in used]
+    return {"wgmma_descriptors": len(offsets), "descriptor_base_offsets": sorted(set(offsets) - {0})}
+
+
+def registers(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """Registers a thread of this launch uses on sm_90a, its threads (a warp-specialised
-    program's every partition, padded to warpgroups), the bytes it spills, and whether ptxas
+    program's every partition, padded to warpgroups), the bytes it spills, whether ptxas
     serialised its wgmma instructions (advisory C7515: each waits for the one before, where
-    an instruction other than a wgmma defines an accumulator inside a pipeline stage)."""
+    an instruction other than a wgmma defines an accumulator inside a pipeline stage), and the
+    wgmma descriptors (``_descriptors``)."""
     ptx, metadata = _lowered(kernel, args, kwargs, "ptx")
     ptxas = Path(tl.__file__).parents[1] / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -156,6 +169,7 @@ def registers(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dic
         "threads": metadata["num_warps"] * SM90.warp_size,
         "spill_bytes": int(spilled.group(1)) if spilled else 0,
         "wgmma_serialized": "C7515" in report,
+        **_descriptors(ptx),
     }
 
 

@@ -915,8 +915,9 @@ def test_the_fast_prompt_launches_keep_their_wgmma_asynchronous() -> None:
     program's registers (every partition's threads, the load warp's padded to a warpgroup)
     within sm_90's 65,536, where 224 a thread compiled and was refused at launch on the H100
     (2026-12-07); the fast one unspilled, the canonical one (its fold's values in shared
-    memory) with 196 bytes a thread, where it spilled 1,848 with them in registers.
-    The Triton canonical one's are serialised
+    memory) with 196 bytes a thread, where it spilled 1,848 with them in registers. Their
+    wgmma descriptors are canonical (base offset 0): the Gluon canonical row sum's were not,
+    and its rows came out wrong on the H100 (2026-12-07). The Triton canonical one's are serialised
     (advisory C7515: each waits for the one before) by the branch in its tile loop that folds a
     finished split and restarts the next; restarting and folding by selects instead kept them
     asynchronous but made the launch 1.04-1.09x slower on the H200 (2026-12-03), so it keeps
@@ -926,6 +927,7 @@ def test_the_fast_prompt_launches_keep_their_wgmma_asynchronous() -> None:
         assert found[launch]["registers"] > 0, found
         assert found[launch]["registers"] * found[launch]["threads"] <= 65_536, found
         assert not found[launch]["wgmma_serialized"], found
+        assert found[launch]["wgmma_descriptors"] > 0 and not found[launch]["descriptor_base_offsets"], found
     assert found["hopper prompt bfloat16"]["threads"] == found["hopper canonical prompt bfloat16"]["threads"] == 384
     assert found["hopper prompt bfloat16"]["spill_bytes"] == 0, found
     assert found["hopper canonical prompt bfloat16"]["spill_bytes"] <= 256, found

@@ -32,9 +32,11 @@ block table from the cache (the chunk's own keys are stored there as well).
 ``paged_attention`` runs the fast launches with ``SID_HOPPER_PREFILL=1`` (``HOPPER_PREFILL``).
 The canonical one is not run by the engine: on an H100 (2026-12-07) every row that saw key 32
 or later was wrong against the fp32 reference (by up to 1.5, some NaN; with one split a row as
-well, so not the fold), and at head_dim 64 it read an illegal address: its row sum's block of
-ones, kept ``[keys, 8]``, got wgmma descriptors that read past it. ``_row_sum`` now keeps it
-transposed; not yet run on a GPU (``tests/test_hopper_prefill.py``, xfail).
+well, so not the fold), and at head_dim 64 it read an illegal address. The likely cause: its
+row sum's block of ones, kept ``[keys, 8]``, got wgmma descriptors with nonzero base offsets
+(2, 4, 6; PTX: 0 for canonical layouts). ``_row_sum`` now keeps it transposed, with canonical
+descriptors (checked on the CPU, ``test_kernels.py``); not yet run on a GPU
+(``tests/test_hopper_prefill.py``, xfail).
 
 Floor: ``4 * heads * head_dim * (chunk * prefix + chunk * (chunk + 1) / 2)`` FLOPs a sequence
 over the measured bf16 matmul rate (``benchmarks/attention.py`` reports the ratio). Gluon runs
@@ -271,8 +273,8 @@ def _row_sum(weights, ones, ROWS: gl.constexpr):
     """Each row's sum of ``weights`` on the matrix unit (``paged_attention._row_sum``): a
     product with a block of ones, whose equal columns' maximum is the sum. The ones are kept
     ``[SUMS, keys]``, keys contiguous, and read transposed as K is: kept ``[keys, 8]`` (16-byte
-    rows, no swizzle) Triton 3.6 built wgmma descriptors that read past the block (H100,
-    2026-12-07: rows seeing key 32 or later wrong, an illegal address at head_dim 64)."""
+    rows, no swizzle), Triton 3.6 gave its wgmma descriptors nonzero base offsets, and rows
+    seeing key 32 or later came out wrong (H100, 2026-12-07)."""
     SUMS: gl.constexpr = ones.shape[0]
     sum_layout: gl.constexpr = _mma_layout(SUMS)
     w = gl.convert_layout(weights, gl.DotOperandLayout(operand_index=0, parent=sum_layout, k_width=2))
