@@ -915,7 +915,7 @@ def test_the_fast_prompt_launches_keep_their_wgmma_asynchronous() -> None:
     program's registers (every partition's threads, the load warp's padded to a warpgroup)
     within sm_90's 65,536, where 224 a thread compiled and was refused at launch on the H100
     (2026-12-07); the fast one unspilled, the canonical one (its fold's values in shared
-    memory) with 196 bytes a thread, where it spilled 1,848 with them in registers. Their
+    memory) with 184 bytes a thread, where it spilled 1,848 with them in registers. Their
     wgmma descriptors are canonical (base offset 0): the Gluon canonical row sum's were not,
     and its rows came out wrong on the H100 (2026-12-07). The Triton canonical one's are serialised
     (advisory C7515: each waits for the one before) by the branch in its tile loop that folds a

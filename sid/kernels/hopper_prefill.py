@@ -82,7 +82,7 @@ the first (the default partition) what is left."""
 CONSUMER_REGISTERS = gl.constexpr(240)
 LOADER_REGISTERS = {False: 40, True: 32}
 """A load warp's registers, fast and canonical (ptxas -v for sm_90a, 2026-12-07): fast, 40 leave
-the first consumer 224 and nothing spills; canonical, 32 leave it 232 and it spills 196 bytes
+the first consumer 224 and nothing spills; canonical, 32 leave it 232 and it spills 184 bytes
 a thread (24 would give it 240, but the load warp, gathering a tail's values, spills 508)."""
 LOG2E = 1.4426950408889634
 """log2(e): both attention kernels take exponents base 2, the scale multiplied by it on the host
