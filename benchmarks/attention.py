@@ -546,9 +546,8 @@ def main() -> None:
     for name, (heads, kv_heads, head_dim) in sizes.models.items():
         if opts.models and not opts.smoke and name not in opts.models.split(","):
             continue
-        result["checks"][name] = check_model(sizes, heads, kv_heads, head_dim, device)
-        print(f"{name}: correctness {result['checks'][name]}", flush=True)
-        check = result["checks"][name]
+        check = result["checks"][name] = check_model(sizes, heads, kv_heads, head_dim, device)
+        print(f"{name}: correctness {check}", flush=True)
         result["timings"][name] = time_model(sizes, heads, kv_heads, head_dim, bandwidth, flops, device, opts.smoke,
                                              kinds, check.get("canonical_gluon_rows_changed") == 0)
     path = write_json("attention", result, opts.out)
