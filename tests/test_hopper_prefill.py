@@ -261,9 +261,6 @@ def test_a_deterministic_prompt_has_the_same_bits_through_either_kernel(
 
 
 @needs_sm90
-@pytest.mark.xfail(strict=True, reason="H100, 2026-12-07: rows seeing key 32 or later wrong, an illegal address at "
-                   "head_dim 64 (the row sum's ones, since transposed, not yet rerun); the plan keeps canonical "
-                   "launches on Triton")
 @pytest.mark.parametrize("block_size", [16, 128])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 8, 128), (8, 4, 64), (16, 4, 128), (32, 4, 128)])
 def test_hopper_canonical_prefill_has_the_triton_kernels_bits(
@@ -272,8 +269,9 @@ def test_hopper_canonical_prefill_has_the_triton_kernels_bits(
     """The canonical schedule in Gluon gives every canonical row the bits of the Triton
     kernel's canonical launch (whose bits the kernel tests hold across block shapes, batches
     and chunkings), and leaves the fast sequence's rows alone: the condition for the plan to
-    run canonical launches on it. Last in the file: an illegal address ends the process's
-    CUDA context."""
+    run canonical launches on it. Its row sum's wgmma descriptors once had nonzero base offsets:
+    rows past key 32 came out wrong and head_dim 64 read an illegal address, which ends the
+    process's CUDA context (H100, 2026-12-07), so it runs last in the file."""
     step = Step(heads, kv_heads, head_dim, block_size, torch.device("cuda"))
     flags = 1 - step.flags
     tiling = attention.hopper_canonical(heads // kv_heads)

@@ -80,10 +80,15 @@ the load warp's partition to a warpgroup). 224 compiled but was refused at launc
 gives back down to ``LOADER_REGISTERS``, the second consumer takes ``CONSUMER_REGISTERS`` and
 the first (the default partition) what is left."""
 CONSUMER_REGISTERS = gl.constexpr(240)
-LOADER_REGISTERS = {False: 40, True: 32}
+LOADER_REGISTERS = {False: 40, True: 56}
 """A load warp's registers, fast and canonical (ptxas -v for sm_90a, 2026-12-07): fast, 40 leave
-the first consumer 224 and nothing spills; canonical, 32 leave it 232 and it spills 184 bytes
-a thread (24 would give it 240, but the load warp, gathering a tail's values, spills 508)."""
+the first consumer 224 and nothing spills; canonical, 56 leave it 208 and nothing spills (40
+and 48: 4 bytes a thread; 32: 16, the load warp's, which gathers a tail's values)."""
+FOLD_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 4, [1, 0]))
+"""Shared-memory layout of the canonical fold's weighted values: a wgmma accumulator's rows
+stored and loaded without bank conflicts (``tests/test_kernels.py``); unswizzled, each access
+took four wavefronts where one would do (Triton's count, 2026-12-07, after a first run at 0.40
+of the matmul rate against the fast kernel's 0.70)."""
 LOG2E = 1.4426950408889634
 """log2(e): both attention kernels take exponents base 2, the scale multiplied by it on the host
 (one constant, so the Triton and Gluon kernels get the same scale's bits)."""
@@ -274,12 +279,13 @@ def _row_sum(weights, ones, ROWS: gl.constexpr):
     product with a block of ones, whose equal columns' maximum is the sum. The ones are kept
     ``[SUMS, keys]``, keys contiguous, and read transposed as K is: kept ``[keys, 8]`` (16-byte
     rows, no swizzle), Triton 3.6 gave its wgmma descriptors nonzero base offsets, and rows
-    seeing key 32 or later came out wrong (H100, 2026-12-07)."""
+    seeing key 32 or later came out wrong (H100, 2026-12-07). Issued asynchronously, to run
+    after the product in flight: returns its token and operand, for ``warpgroup_mma_wait``."""
     SUMS: gl.constexpr = ones.shape[0]
     sum_layout: gl.constexpr = _mma_layout(SUMS)
     w = gl.convert_layout(weights, gl.DotOperandLayout(operand_index=0, parent=sum_layout, k_width=2))
-    sums = warpgroup_mma(w, ones.permute((1, 0)), gl.zeros([ROWS, SUMS], gl.float32, sum_layout), use_acc=False)
-    return gl.max(sums, 1)
+    zero = gl.zeros([ROWS, SUMS], gl.float32, sum_layout)
+    return warpgroup_mma(w, ones.permute((1, 0)), zero, use_acc=False, is_async=True), w
 
 
 @gluon.jit
@@ -356,10 +362,12 @@ def _canonical_walk(q_tile, k_smem, v_smem, ones, fold, ready, empty, turn, row_
     """The canonical schedule's walk, in the fast walk's pipeline: tiles at absolute positions,
     ``paged_attention``'s arithmetic (``_canonical_softmax``, the row sum on the matrix unit,
     the rescale before the product), each split of ``split_size`` keys from a fresh state and
-    folded into the row's left to right (``_merge``) once its last product is in. The fold's
-    weighted values wait in shared memory (``fold``): in registers beside a tile's scores,
-    weights and accumulator they spilled (ptxas, sm_90a: 1,848 bytes a thread). Returns the
-    fold's weighted values and sums, the bits of the Triton kernel's."""
+    folded into the row's left to right (``_merge``) once its last product is in: after the
+    next split's first softmax, which runs from nothing while that product does (folded
+    before it, the product was waited for first and 184 bytes a thread spilled). The fold's
+    weighted values wait in shared memory (``fold``, ``FOLD_LAYOUT``): in registers beside a
+    tile's scores, weights and accumulator they spilled (ptxas, sm_90a: 1,848 bytes a thread).
+    Returns the fold's weighted values and sums, the bits of the Triton kernel's."""
     HEAD_DIM: gl.constexpr = shape[1]
     BLOCK_N: gl.constexpr = shape[2]
     STAGES: gl.constexpr = shape[4]
@@ -385,32 +393,35 @@ def _canonical_walk(q_tile, k_smem, v_smem, ones, fold, ready, empty, turn, row_
     else:
         m_i, p, alpha = _canonical_softmax(s, m_i, row_pos, 0, qk_scale, True, BLOCK_N, s_layout)
     weights = p.to(dtype)
-    l_i = l_i * alpha + gl.convert_layout(_row_sum(weights, ones, ROWS), row_layout)
+    sum_tok, w = _row_sum(weights, ones, ROWS)
+    sums, _ = warpgroup_mma_wait(0, deps=(sum_tok, w))
+    l_i = l_i * alpha + gl.convert_layout(gl.max(sums, 1), row_layout)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
     p_op = gl.convert_layout(weights, p_layout)
 
     for j in range(1, n_tiles):
         s_tok, o_tok = _issue(j, q_tile, k_smem, v_smem, ready, turn, zero_s, p_op, acc, WG, STAGES)
         s = warpgroup_mma_wait(1, deps=(s_tok,))
+        # Tile j starts a split: its softmax starts from nothing while tile j - 1's product
+        # runs; the last split's state, complete with that product, is folded after.
         fresh = (j * BLOCK_N) % split_size == 0
+        m_s = m_i
         if fresh:
-            # Tile j starts a split: the last one's state, complete with tile j - 1's product,
-            # is folded, and tile j starts from nothing.
-            done, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-            m_f, l_f, acc_f = _merge(m_f, l_f, fold.load(o_layout), m_i, l_i, done, o_layout)
-            fold.store(acc_f)
             m_i = empty_max
-            l_i = gl.zeros([ROWS], gl.float32, row_layout)
         if j < n_full:
             m_i, p, alpha = _canonical_softmax(s, m_i, row_pos, j, qk_scale, False, BLOCK_N, s_layout)
         else:
             m_i, p, alpha = _canonical_softmax(s, m_i, row_pos, j, qk_scale, True, BLOCK_N, s_layout)
-        acc, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+        weights = p.to(dtype)
+        sum_tok, w = _row_sum(weights, ones, ROWS)
+        acc, sums, _, _ = warpgroup_mma_wait(0, deps=(o_tok, sum_tok, p_op, w))
         mbarrier.arrive(empty.index((j - 1) % STAGES))
         if fresh:
+            m_f, l_f, acc_f = _merge(m_f, l_f, fold.load(o_layout), m_s, l_i, acc, o_layout)
+            fold.store(acc_f)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-        weights = p.to(dtype)
-        l_i = l_i * alpha + gl.convert_layout(_row_sum(weights, ones, ROWS), row_layout)
+            l_i = gl.zeros([ROWS], gl.float32, row_layout)
+        l_i = l_i * alpha + gl.convert_layout(gl.max(sums, 1), row_layout)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         p_op = gl.convert_layout(weights, p_layout)
 
@@ -498,8 +509,7 @@ def _prefill_kernel(
     fill: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
     ones = gl.allocate_shared_memory(dtype, [SUMS, ONES], gl.NVMMASharedLayout.get_default_for([SUMS, ONES], dtype),
                                      gl.full([SUMS, ONES], 1.0, dtype, fill))  # fmt: skip
-    fold = gl.allocate_shared_memory(gl.float32, [2, 64, HEAD_DIM if CANONICAL else 4],
-                                     gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # fmt: skip
+    fold = gl.allocate_shared_memory(gl.float32, [2, 64, HEAD_DIM if CANONICAL else 8], FOLD_LAYOUT)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
