@@ -9,7 +9,8 @@ a chunk after a cached prefix, and prompt steps with decodes beside their prompt
 decodes in a launch of their own, as the engine runs them, and in the prompt launch), for
 both schedules (on sm_90 prefills also as ``hopper_prefill``'s Gluon kernels, "fast gluon" and
 "canonical gluon"; the engine runs the fast one with ``SID_HOPPER_PREFILL=1``, the canonical
-one not yet: its rows' bits against the Triton kernel's are reported, not required), with
+one not, being no quicker: its rows' bits against the Triton kernel's are reported, and it is
+timed only where they agree), with
 ``triton.testing.do_bench`` (median).
 The floor is bytes moved over the HBM bandwidth measured in the same run (a ``sum`` over a
 ~4 GB bf16 tensor); for prefill also FLOPs over the bf16 matmul rate measured likewise.

@@ -21,22 +21,24 @@ block table from the cache (the chunk's own keys are stored there as well).
 
 * Fast (``paged_attention_ref``): 64-key tiles, the scale folded into the exponent's FMA.
 * Canonical (``paged_attention_canonical_ref``, DESIGN 3.1): the Triton kernel's tiles (128
-  keys) and splits (``Canonical``), and its arithmetic operation for operation, meant to give a
-  row the bits the Triton kernel gives it in any launch (not yet: below): each split from a
-  fresh state, folded left to right into the row's as soon as its last product is in, in the
-  same program. Both kernels' PTX for sm_90a has the same kinds of instruction on each line
-  of the softmax, the merge and the rescale (``mul.rn``, ``ex2.approx.ftz``, ``fma.rn``, the
-  rounding to bf16, ``div.full``); the row sum's wgmma is 8 wide here, 16 there (each column the
-  same dot product of a row's weights with ones).
+  keys) and splits (``Canonical``), and its arithmetic operation for operation, so a row gets the
+  bits the Triton kernel gives it in any launch: each split from a fresh state, folded left to
+  right into the row's as soon as its last product is in, in the same program. Both kernels'
+  PTX for sm_90a has the same kinds of instruction on each line of the softmax, the merge and
+  the rescale (``mul.rn``, ``ex2.approx.ftz``, ``fma.rn``, the rounding to bf16, ``div.full``);
+  the row sum's wgmma is 8 wide here, 16 there (each column the same dot product of a row's
+  weights with ones).
 
 ``paged_attention`` runs the fast launches with ``SID_HOPPER_PREFILL=1`` (``HOPPER_PREFILL``).
-The canonical one is not run by the engine: on an H100 (2026-12-07) every row that saw key 32
-or later was wrong against the fp32 reference (by up to 1.5, some NaN; with one split a row as
-well, so not the fold), and at head_dim 64 it read an illegal address. The likely cause: its
-row sum's block of ones, kept ``[keys, 8]``, got wgmma descriptors with nonzero base offsets
-(2, 4, 6; PTX: 0 for canonical layouts). ``_row_sum`` now keeps it transposed, with canonical
-descriptors (checked on the CPU, ``test_kernels.py``); not yet run on a GPU
-(``tests/test_hopper_prefill.py``, xfail).
+The canonical one gave every row the Triton kernel's bits on an H100 (2026-12-07, GQA 1-8,
+head_dim 64/128, cache blocks 16/128, ``tests/test_hopper_prefill.py``) once its row sum's
+ones were kept transposed: kept ``[keys, 8]``, their wgmma descriptors had nonzero base offsets
+(2, 4, 6; PTX gives 0 for canonical layouts), rows that saw key 32 or later were wrong and
+head_dim 64 read an illegal address. It was then no quicker than the Triton kernel (0.32-0.51
+of the matmul rate against 0.31-0.54), so the engine keeps canonical launches on Triton. Its
+walk has changed since, untimed and not yet run on a GPU: a split's fold waits for the next
+split's first softmax (before, the product was waited for first, every 256 keys), the row sum
+runs asynchronously, and the fold's values move through shared memory without bank conflicts.
 
 Floor: ``4 * heads * head_dim * (chunk * prefix + chunk * (chunk + 1) / 2)`` FLOPs a sequence
 over the measured bf16 matmul rate (``benchmarks/attention.py`` reports the ratio). Gluon runs

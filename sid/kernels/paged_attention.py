@@ -77,8 +77,8 @@ Steps with prompt rows (the prefill work):
   query blocks fill the multiprocessors without spreading splits over programs runs as
   ``hopper_prefill``'s Gluon kernel instead (``_hopper_prompt``): the same blocks and
   semantics, with FlashAttention-3's warp specialisation and softmax overlap written out.
-  Canonical launches keep the Triton kernel: the Gluon canonical schedule does not give its
-  bits yet (``hopper_canonical``).
+  Canonical launches keep the Triton kernel: the Gluon canonical schedule gives their rows its
+  bits but was no quicker (``hopper_canonical``).
 
 Floor: decode attention is memory-bound; a step cannot beat
 ``(K + V bytes read + Q bytes read + O bytes written) / HBM bandwidth``, i.e. per sequence
@@ -165,17 +165,16 @@ against 1.51 for 128-key tiles, 2.38 for 4 warps)."""
 HOPPER_PREFILL = os.environ.get("SID_HOPPER_PREFILL") == "1"
 """Fast prompt launches run as ``hopper_prefill``'s Gluon kernel where they can
 (``_hopper_prompt``): with ``SID_HOPPER_PREFILL=1`` in the environment (the TP workers inherit
-it). Off by default until its speed as it stands is measured. On an H100 (2026-12-07) the
-kernel as it stands matched the reference in its eight kernel tests (GQA 1-8, head_dim 64/128,
-cache blocks 16/128, NaN-poisoned caches) and passed its engine tests (prompt logprobs against
-transformers; a deterministic prompt's bits with fast prompts beside it on the Gluon kernel);
-it has not been timed since its register split changed. An earlier
-variant reached, against the Triton launch, as fractions of the bf16 matmul rate (H100,
-2026-12-07, 16-call CUDA graphs; Llama-3.1-8B heads): 8 x 2k 0.59 / 0.50, 2 x 8k 0.76 / 0.65,
-1 x 32k 0.79 / 0.70, a 2k chunk after 16k cached keys 0.77 / 0.41; Qwen3-0.6B heads 0.57 /
-0.48, 0.76 / 0.66, 0.80 / 0.70, 0.75 / 0.38. Canonical launches never take it: its canonical
-schedule (``hopper_canonical``) gave wrong rows and, at head_dim 64, an illegal address (H100,
-2026-12-07; ``hopper_prefill``'s module doc)."""
+it). Off by default until the engine's throughput with it is measured. On an H100 (2026-12-07)
+it matched the reference in its eight kernel tests (GQA 1-8, head_dim 64/128, cache blocks
+16/128, NaN-poisoned caches) and passed its engine tests (prompt logprobs against
+transformers; a deterministic prompt's bits with fast prompts beside it on the Gluon kernel),
+and reached, against the Triton launch beside it, as fractions of the bf16 matmul rate (16-call
+CUDA graphs; Llama-3.1-8B heads): 8 x 2k 0.55 / 0.46, 2 x 8k 0.70 / 0.64, 1 x 32k 0.73 / 0.68,
+a 2k chunk after 16k cached keys 0.71 / 0.38; Qwen3-0.6B heads 0.54 / 0.44, 0.68 / 0.63, 0.74 /
+0.69, 0.69 / 0.35. Canonical launches keep the Triton kernel: the Gluon canonical schedule
+(``hopper_canonical``) gives its rows the Triton kernel's bits (H100, 2026-12-07, 8 shapes),
+but was no quicker (module doc of ``hopper_prefill``; changed since, not yet timed)."""
 
 _COMBINE_NUM_WARPS = 4
 _COMBINE_PREFETCH = 8
@@ -1189,8 +1188,9 @@ def _hopper_prompt(q: torch.Tensor, k_cache: torch.Tensor, rows: _Rows) -> bool:
 
 def hopper_canonical(group: int) -> hopper_prefill.Canonical:
     """The canonical tiling ``hopper_prefill`` takes for a model of GQA ``group``: this kernel's
-    tiles, splits and split growth. Its rows must get this kernel's bits before the plan runs
-    canonical launches on it; so far only the tests and the attention benchmark call it."""
+    tiles, splits and split growth. Its rows get this kernel's bits (``tests/test_hopper_prefill.py``);
+    the plan keeps canonical launches on this kernel while that one is no quicker, so only the
+    tests and the attention benchmark call it."""
     cfg = CANONICAL_CONFIG
     return hopper_prefill.Canonical(cfg["kv_tile"], cfg["kv_split"], _row_splits(group))
 
