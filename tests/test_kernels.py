@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 import torch
-from triton.compiler.compiler import CompiledKernel
 from triton._C.libtriton import ir
 from triton._C.libtriton.gluon_ir import GluonOpBuilder
+from triton.compiler.compiler import CompiledKernel
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
@@ -918,9 +918,8 @@ def test_the_fast_prompt_launches_keep_their_wgmma_asynchronous() -> None:
     within sm_90's 65,536, where 224 a thread compiled and was refused at launch on the H100
     (2026-12-07); both unspilled (the canonical one's fold's values in shared memory: in
     registers they spilled 1,848 bytes a thread, and folding before a split's first softmax
-    184). Their
-    wgmma descriptors are canonical (base offset 0): the Gluon canonical row sum's were not,
-    and its rows came out wrong on the H100 (2026-12-07). The Triton canonical one's are serialised
+    184). Their wgmma descriptors are canonical (base offset 0): the Gluon canonical row sum's
+    were not, and its rows came out wrong on the H100 (2026-12-07). The Triton canonical one's are serialised
     (advisory C7515: each waits for the one before) by the branch in its tile loop that folds a
     finished split and restarts the next; restarting and folding by selects instead kept them
     asynchronous but made the launch 1.04-1.09x slower on the H200 (2026-12-03), so it keeps
