@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from sid import LLM, SamplingParams
-from sid.runtime.sampler import SamplingBatch, apply_penalties, gumbel_noise, sample
+from sid.runtime import sampler
+from sid.runtime.sampler import SamplingBatch, apply_penalties, compute_logprobs, gumbel_noise, sample
 
 V = 64
 
@@ -49,6 +51,32 @@ def test_sampled_token_does_not_depend_on_the_batch() -> None:
             logits[i : i + 1], batch(1, seeds=torch.tensor([100 + i]), positions=torch.tensor([5 * i]))
         ).token_ids
         assert one.item() == full[i].item()
+
+
+def test_rows_taken_a_block_at_a_time_keep_their_tokens_and_logprobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A big pass's rows go through the sampler in blocks (``BLOCK_LOGITS``): every result the
+    same as in one block, penalties' per-row tensors sliced with their rows."""
+    torch.manual_seed(1)
+    rows = 11
+    logits = torch.randn(rows, V) * 3
+    settings = batch(
+        rows, seeds=torch.arange(rows) + 7, temperature=torch.rand(rows) + (torch.arange(rows) % 3 == 0) * -9,
+        top_k=torch.randint(1, V, (rows,)), top_p=torch.rand(rows), min_p=torch.rand(rows) * 0.1,
+        frequency_penalty=torch.rand(rows), presence_penalty=torch.rand(rows),
+        output_counts=torch.randint(0, 3, (rows, V)), num_logprobs=3, any_top_k=True, any_top_p_or_min_p=True,
+    )
+    settings.temperature.clamp_(min=0)
+    whole = sample(logits, settings)
+    targets = torch.randint(0, V, (rows,))
+    scored = compute_logprobs(logits, targets, 2)
+    monkeypatch.setattr(sampler, "BLOCK_LOGITS", 3 * V)  # blocks of 3, 3, 3 and 2 rows
+    blocked = sample(logits, settings)
+    assert whole.token_ids.unique().numel() > 1
+    for name in ("token_ids", "logprob", "rank", "top_ids", "top_logprobs"):
+        assert torch.equal(getattr(blocked, name), getattr(whole, name)), name
+    again = compute_logprobs(logits, targets, 2)
+    for name in ("logprob", "rank", "top_ids", "top_logprobs"):
+        assert torch.equal(getattr(again, name), getattr(scored, name)), name
 
 
 def test_samples_follow_softmax_with_temperature() -> None:

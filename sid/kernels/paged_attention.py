@@ -1099,7 +1099,8 @@ def _stages(sched: _Schedule, element_size: int) -> int:
 def _constants(sched: _Schedule) -> tuple[int | bool, ...]:
     """What a launch compiles and runs with, apart from its split and group (which each
     sequence reads for itself): schedules that agree on it can share one launch."""
-    return sched.block_m, sched.kv_tile, sched.num_warps, sched.num_stages, sched.prompt, sched.fast_prefill
+    s = sched
+    return s.block_m, s.kv_tile, s.num_warps, s.num_stages, s.prompt, s.fast_prefill, s.hopper
 
 
 def _fast_split(keys: int, programs: int, tile: int, min_keys: int) -> int:
@@ -1435,8 +1436,11 @@ def plan_attention(
         shape = (num_kv_heads, rows.max_query_len, max_seq_len, q.device)
         fast = _fast_schedule(rows.num_tokens, seqs, group, *shape) if has_fast else None
         canon = _canonical_schedule(group, rows.num_tokens, seqs, *shape) if has_canonical else None
-        if fast is not None and _hopper_prompt(q, k_cache, rows):
-            fast = fast._replace(hopper=True, max_splits=1, group=1)
+        if _hopper_prompt(q, k_cache, rows):
+            # One program walks a block's every split: the fast schedule has one, the canonical
+            # one folds them all in its fixed order.
+            fast = fast._replace(hopper=True, max_splits=1, group=1) if fast is not None else None
+            canon = canon._replace(hopper=True, group=canon.max_splits) if canon is not None else None
         found.append((rows, fast, canon))
     # Per schedule: a row's splits at most, and its programs along the keys (more than one
     # leave partials for the combine).
@@ -1637,9 +1641,10 @@ def _launch(batch: _Batch, launch: _Launch) -> None:
     k, v = (batch.k, batch.v) if launch.rows.own_keys else (None, None)
     if launch.sched.hopper and hopper_prefill.tma_ready(k) and hopper_prefill.tma_ready(v):
         rows = launch.rows
+        canonical = hopper_canonical(q.shape[1] // k_cache.shape[2]) if launch.serve == _SERVE_CANONICAL else None
         hopper_prefill.prefill_attention(
             q, k, v, k_cache, v_cache, rows.block_tables, rows.seq_lens, rows.query_start_loc, rows.flags,
-            batch.scale, out, launch.relaunch,
+            batch.scale, out, launch.relaunch, canonical,
         )  # fmt: skip
         return
     # Both schedules read the pass's own keys through descriptors (the canonical prompt launch:

@@ -8,7 +8,7 @@ recomputed (DESIGN 3.6). Greedy is the same path with no noise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -58,6 +58,12 @@ class SamplingBatch:
     any_top_k: bool = False
     any_top_p_or_min_p: bool = False
 
+    def rows(self, part: slice) -> SamplingBatch:
+        """The settings of rows ``part``."""
+        return replace(self, **{
+            f.name: getattr(self, f.name)[part] for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)
+        })
+
 
 @dataclass
 class SamplerOutput:
@@ -98,8 +104,34 @@ def _truncate_distribution(logits: torch.Tensor, b: SamplingBatch) -> torch.Tens
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+BLOCK_LOGITS = 1 << 25
+"""Logits a block of rows holds at most: a row's choice and its logprobs take a dozen
+temporaries of its size (the sort's indices, the noise's int64 hashes), so rows go through
+them a block at a time. A canonical pass whose 32,768 rows each choose a token from
+Llama-3's 128,256 asked for 31 GiB at once (H100, 2026-12-07); a block of 261 such rows
+takes about 2 GiB. Each row's result is its own (module doc), so blocks change no bits."""
+
+
+def _row_blocks(rows: int, vocab: int) -> list[slice]:
+    step = max(1, BLOCK_LOGITS // max(1, vocab))
+    return [slice(i, i + step) for i in range(0, rows, step)] or [slice(0, 0)]
+
+
+def _concat(parts: list[SamplerOutput]) -> SamplerOutput:
+    if len(parts) == 1:
+        return parts[0]
+    return SamplerOutput(**{
+        f.name: None if getattr(parts[0], f.name) is None else torch.cat([getattr(p, f.name) for p in parts])
+        for f in fields(SamplerOutput)
+    })
+
+
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     """Choose one token per row of float32 ``logits`` ``[R, V]``."""
+    return _concat([_sample(logits[part], b.rows(part)) for part in _row_blocks(*logits.shape)])
+
+
+def _sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     raw = logits
     logits = apply_penalties(logits, b)
     tokens = logits.argmax(dim=-1)
@@ -111,11 +143,15 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         tokens = torch.where(b.temperature > 0, noisy.argmax(dim=-1), tokens)
     if b.num_logprobs is None:
         return SamplerOutput(token_ids=tokens)
-    return compute_logprobs(raw, tokens, b.num_logprobs)
+    return _logprobs(raw, tokens, b.num_logprobs)
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SamplerOutput:
     """Logprob and rank of ``token_ids`` under the raw ``logits``, plus the top ``num_top``."""
+    return _concat([_logprobs(logits[part], token_ids[part], num_top) for part in _row_blocks(*logits.shape)])
+
+
+def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SamplerOutput:
     logprobs = logits.log_softmax(dim=-1)
     chosen = logprobs.gather(-1, token_ids[:, None])
     out = SamplerOutput(token_ids=token_ids, logprob=chosen[:, 0], rank=(logprobs > chosen).sum(dim=-1) + 1)
