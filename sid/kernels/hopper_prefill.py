@@ -29,16 +29,16 @@ block table from the cache (the chunk's own keys are stored there as well).
   the row sum's wgmma is 8 wide here, 16 there (each column the same dot product of a row's
   weights with ones).
 
-``paged_attention`` runs the fast launches with ``SID_HOPPER_PREFILL=1`` (``HOPPER_PREFILL``).
-The canonical one gave every row the Triton kernel's bits on an H100 (2026-12-07, GQA 1-8,
-head_dim 64/128, cache blocks 16/128, ``tests/test_hopper_prefill.py``) once its row sum's
-ones were kept transposed: kept ``[keys, 8]``, their wgmma descriptors had nonzero base offsets
-(2, 4, 6; PTX gives 0 for canonical layouts), rows that saw key 32 or later were wrong and
-head_dim 64 read an illegal address. It was then no quicker than the Triton kernel (0.32-0.51
-of the matmul rate against 0.31-0.54), so the engine keeps canonical launches on Triton. Its
-walk has changed since, untimed and not yet run on a GPU: a split's fold waits for the next
-split's first softmax (before, the product was waited for first, every 256 keys), the row sum
-runs asynchronously, and the fold's values move through shared memory without bank conflicts.
+``paged_attention`` runs its prompt launches here with ``SID_HOPPER_PREFILL=1``
+(``HOPPER_PREFILL``). The canonical schedule gives every row the Triton kernel's bits (H100,
+2026-12-07, GQA 1-8, head_dim 64/128, cache blocks 16/128, ``tests/test_hopper_prefill.py``)
+since its row sum's ones are kept transposed: kept ``[keys, 8]``, their wgmma descriptors had
+nonzero base offsets (2, 4, 6; PTX gives 0 for canonical layouts), rows that saw key 32 or
+later were wrong and head_dim 64 read an illegal address. Timed then, it was no quicker than
+the Triton kernel (0.32-0.51 of the matmul rate against 0.31-0.54). Three changes made it so
+(0.46-0.60 against 0.35-0.56, H100, 33b44c0): a split's fold waits for the next split's first
+softmax (before, the product was waited for first, every 256 keys), the row sum runs
+asynchronously, and the fold's values move through shared memory without bank conflicts.
 
 Floor: ``4 * heads * head_dim * (chunk * prefix + chunk * (chunk + 1) / 2)`` FLOPs a sequence
 over the measured bf16 matmul rate (``benchmarks/attention.py`` reports the ratio). Gluon runs

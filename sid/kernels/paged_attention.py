@@ -73,12 +73,11 @@ Steps with prompt rows (the prefill work):
   compiler cannot fuse it differently in the two kinds of tile: a row keeps its bits.
 * The fast schedule gives each program one split, so a program carries one softmax state
   (not a split's beside its fold), and folds the scale into the exponent's FMA.
-* On sm_90, with ``SID_HOPPER_PREFILL=1`` (``HOPPER_PREFILL``), a fast prompt launch whose
-  query blocks fill the multiprocessors without spreading splits over programs runs as
-  ``hopper_prefill``'s Gluon kernel instead (``_hopper_prompt``): the same blocks and
-  semantics, with FlashAttention-3's warp specialisation and softmax overlap written out.
-  Canonical launches keep the Triton kernel: the Gluon canonical schedule gives their rows its
-  bits but was no quicker (``hopper_canonical``).
+* On sm_90, with ``SID_HOPPER_PREFILL=1`` (``HOPPER_PREFILL``), a prompt launch of either
+  schedule whose query blocks fill the multiprocessors without spreading splits over programs
+  runs as ``hopper_prefill``'s Gluon kernel instead (``_hopper_prompt``): the same blocks and
+  semantics, with FlashAttention-3's warp specialisation and softmax overlap written out. A
+  canonical launch's rows keep this kernel's bits (``hopper_canonical``).
 
 Floor: decode attention is memory-bound; a step cannot beat
 ``(K + V bytes read + Q bytes read + O bytes written) / HBM bandwidth``, i.e. per sequence
@@ -163,18 +162,15 @@ quickest shape on the H200 before the chunk's own keys were read contiguously (8
 against 1.51 for 128-key tiles, 2.38 for 4 warps)."""
 
 HOPPER_PREFILL = os.environ.get("SID_HOPPER_PREFILL") == "1"
-"""Fast prompt launches run as ``hopper_prefill``'s Gluon kernel where they can
-(``_hopper_prompt``): with ``SID_HOPPER_PREFILL=1`` in the environment (the TP workers inherit
-it). Off by default until the engine's throughput with it is measured. On an H100 (2026-12-07)
-it matched the reference in its eight kernel tests (GQA 1-8, head_dim 64/128, cache blocks
-16/128, NaN-poisoned caches) and passed its engine tests (prompt logprobs against
-transformers; a deterministic prompt's bits with fast prompts beside it on the Gluon kernel),
-and reached, against the Triton launch beside it, as fractions of the bf16 matmul rate (16-call
-CUDA graphs; Llama-3.1-8B heads): 8 x 2k 0.55 / 0.46, 2 x 8k 0.70 / 0.64, 1 x 32k 0.73 / 0.68,
-a 2k chunk after 16k cached keys 0.71 / 0.38; Qwen3-0.6B heads 0.54 / 0.44, 0.68 / 0.63, 0.74 /
-0.69, 0.69 / 0.35. Canonical launches keep the Triton kernel: the Gluon canonical schedule
-(``hopper_canonical``) gives its rows the Triton kernel's bits (H100, 2026-12-07, 8 shapes),
-but was no quicker (module doc of ``hopper_prefill``; changed since, not yet timed)."""
+"""Prompt launches run as ``hopper_prefill``'s Gluon kernel where they can (``_hopper_prompt``):
+with ``SID_HOPPER_PREFILL=1`` in the environment (the TP workers inherit it). Off by default
+until the engine's throughput with it is measured. On an H100 (2026-12-07, 33b44c0) its fast
+schedule matched the reference and its canonical one gave every row the Triton kernel's bits
+in their kernel tests (GQA 1-8, head_dim 64/128, cache blocks 16/128, NaN-poisoned caches),
+and they reached, as fractions of the bf16 matmul rate against the Triton launches' (16-call
+CUDA graphs; Llama-3.1-8B heads; fast, then canonical): 8 x 2k 0.59 / 0.49 and 0.46 / 0.35,
+2 x 8k 0.74 / 0.66 and 0.55 / 0.49, 1 x 32k 0.76 / 0.71 and 0.60 / 0.56, a 2k chunk after 16k
+cached keys 0.74 / 0.40 and 0.49 / 0.40 (Qwen3-0.6B heads within 0.03 of these)."""
 
 _COMBINE_NUM_WARPS = 4
 _COMBINE_PREFETCH = 8
@@ -1189,9 +1185,7 @@ def _hopper_prompt(q: torch.Tensor, k_cache: torch.Tensor, rows: _Rows) -> bool:
 
 def hopper_canonical(group: int) -> hopper_prefill.Canonical:
     """The canonical tiling ``hopper_prefill`` takes for a model of GQA ``group``: this kernel's
-    tiles, splits and split growth. Its rows get this kernel's bits (``tests/test_hopper_prefill.py``);
-    the plan keeps canonical launches on this kernel while that one is no quicker, so only the
-    tests and the attention benchmark call it."""
+    tiles, splits and split growth. Its rows get this kernel's bits (``tests/test_hopper_prefill.py``)."""
     cfg = CANONICAL_CONFIG
     return hopper_prefill.Canonical(cfg["kv_tile"], cfg["kv_split"], _row_splits(group))
 
