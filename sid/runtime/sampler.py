@@ -113,13 +113,13 @@ takes about 2 GiB. Each row's result is its own (module doc), so blocks change n
 
 
 def _row_blocks(rows: int, vocab: int) -> list[slice]:
+    """Rows of each block; none where one block holds them all (the common case, kept free of
+    per-block slicing on the host)."""
     step = max(1, BLOCK_LOGITS // max(1, vocab))
-    return [slice(i, i + step) for i in range(0, rows, step)] or [slice(0, 0)]
+    return [slice(i, i + step) for i in range(0, rows, step)] if rows > step else []
 
 
 def _concat(parts: list[SamplerOutput]) -> SamplerOutput:
-    if len(parts) == 1:
-        return parts[0]
     return SamplerOutput(**{
         f.name: None if getattr(parts[0], f.name) is None else torch.cat([getattr(p, f.name) for p in parts])
         for f in fields(SamplerOutput)
@@ -128,7 +128,10 @@ def _concat(parts: list[SamplerOutput]) -> SamplerOutput:
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     """Choose one token per row of float32 ``logits`` ``[R, V]``."""
-    return _concat([_sample(logits[part], b.rows(part)) for part in _row_blocks(*logits.shape)])
+    blocks = _row_blocks(*logits.shape)
+    if not blocks:
+        return _sample(logits, b)
+    return _concat([_sample(logits[part], b.rows(part)) for part in blocks])
 
 
 def _sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
@@ -148,7 +151,10 @@ def _sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SamplerOutput:
     """Logprob and rank of ``token_ids`` under the raw ``logits``, plus the top ``num_top``."""
-    return _concat([_logprobs(logits[part], token_ids[part], num_top) for part in _row_blocks(*logits.shape)])
+    blocks = _row_blocks(*logits.shape)
+    if not blocks:
+        return _logprobs(logits, token_ids, num_top)
+    return _concat([_logprobs(logits[part], token_ids[part], num_top) for part in blocks])
 
 
 def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SamplerOutput:
