@@ -1095,8 +1095,8 @@ def _stages(sched: _Schedule, element_size: int) -> int:
 def _constants(sched: _Schedule) -> tuple[int | bool, ...]:
     """What a launch compiles and runs with, apart from its split and group (which each
     sequence reads for itself): schedules that agree on it can share one launch."""
-    s = sched
-    return s.block_m, s.kv_tile, s.num_warps, s.num_stages, s.prompt, s.fast_prefill, s.hopper
+    return (sched.block_m, sched.kv_tile, sched.num_warps, sched.num_stages, sched.prompt, sched.fast_prefill,
+            sched.hopper)
 
 
 def _fast_split(keys: int, programs: int, tile: int, min_keys: int) -> int:
