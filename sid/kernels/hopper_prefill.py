@@ -396,15 +396,14 @@ def _canonical_walk(q_tile, k_smem, v_smem, ones, fold, ready, empty, turn, row_
         m_i, p, alpha = _canonical_softmax(s, m_i, row_pos, 0, qk_scale, True, BLOCK_N, s_layout)
     weights = p.to(dtype)
     sum_tok, w = _row_sum(weights, ones, ROWS)
+    sums, _ = warpgroup_mma_wait(0, deps=(sum_tok, w))
+    l_i = l_i * alpha + gl.convert_layout(gl.max(sums, 1), row_layout)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
     p_op = gl.convert_layout(weights, p_layout)
 
     for j in range(1, n_tiles):
         s_tok, o_tok = _issue(j, q_tile, k_smem, v_smem, ready, turn, zero_s, p_op, acc, WG, STAGES)
-        # Tile j - 1's row sum, issued before tile j's scores, is in with them: its sum joins
-        # the row's now, off the wait for tile j - 1's product.
-        s, sums, _ = warpgroup_mma_wait(1, deps=(s_tok, sum_tok, w))
-        l_i = l_i * alpha + gl.convert_layout(gl.max(sums, 1), row_layout)
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
         # Tile j starts a split: its softmax starts from nothing while tile j - 1's product
         # runs; the last split's state, complete with that product, is folded after.
         fresh = (j * BLOCK_N) % split_size == 0
@@ -417,19 +416,18 @@ def _canonical_walk(q_tile, k_smem, v_smem, ones, fold, ready, empty, turn, row_
             m_i, p, alpha = _canonical_softmax(s, m_i, row_pos, j, qk_scale, True, BLOCK_N, s_layout)
         weights = p.to(dtype)
         sum_tok, w = _row_sum(weights, ones, ROWS)
-        acc, _ = warpgroup_mma_wait(1, deps=(o_tok, p_op))
+        acc, sums, _, _ = warpgroup_mma_wait(0, deps=(o_tok, sum_tok, p_op, w))
         mbarrier.arrive(empty.index((j - 1) % STAGES))
         if fresh:
             m_f, l_f, acc_f = _merge(m_f, l_f, fold.load(o_layout), m_s, l_i, acc, o_layout)
             fold.store(acc_f)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
             l_i = gl.zeros([ROWS], gl.float32, row_layout)
+        l_i = l_i * alpha + gl.convert_layout(gl.max(sums, 1), row_layout)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         p_op = gl.convert_layout(weights, p_layout)
 
     acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc)
-    sums, _ = warpgroup_mma_wait(0, deps=(sum_tok, w))
-    l_i = l_i * alpha + gl.convert_layout(gl.max(sums, 1), row_layout)
     m_f, l_f, acc_f = _merge(m_f, l_f, fold.load(o_layout), m_i, l_i, acc, o_layout)
     return acc_f, gl.convert_layout(l_f, o_rows)
 
