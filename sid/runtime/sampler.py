@@ -109,7 +109,8 @@ BLOCK_LOGITS = 1 << 25
 temporaries of its size (the sort's indices, the noise's int64 hashes), so rows go through
 them a block at a time. A canonical pass whose 32,768 rows each choose a token from
 Llama-3's 128,256 asked for 31 GiB at once (H100, 2026-12-07); a block of 261 such rows
-takes about 2 GiB. Each row's result is its own (module doc), so blocks change no bits."""
+needs about 2 GiB by that count. Each row's result is its own (module doc), so blocks change
+no bits."""
 
 
 def _row_blocks(rows: int, vocab: int) -> list[slice]:
