@@ -8,7 +8,10 @@ recomputed (DESIGN 3.6). Greedy is the same path with no noise.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
@@ -58,7 +61,7 @@ class SamplingBatch:
     any_top_k: bool = False
     any_top_p_or_min_p: bool = False
 
-    def rows(self, part: slice) -> SamplingBatch:
+    def __getitem__(self, part: slice) -> SamplingBatch:
         """The settings of rows ``part``."""
         return replace(self, **{
             f.name: getattr(self, f.name)[part] for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)
@@ -120,7 +123,12 @@ def _row_blocks(rows: int, vocab: int) -> list[slice]:
     return [slice(i, i + step) for i in range(0, rows, step)] if rows > step else []
 
 
-def _concat(parts: list[SamplerOutput]) -> SamplerOutput:
+def _in_blocks(fn: Callable[..., SamplerOutput], logits: torch.Tensor, *per_row: Any) -> SamplerOutput:
+    """``fn(logits, *per_row)`` a block of rows at a time, ``per_row`` sliced with the rows."""
+    blocks = _row_blocks(*logits.shape)
+    if not blocks:
+        return fn(logits, *per_row)
+    parts = [fn(logits[part], *(a[part] for a in per_row)) for part in blocks]
     return SamplerOutput(**{
         f.name: None if getattr(parts[0], f.name) is None else torch.cat([getattr(p, f.name) for p in parts])
         for f in fields(SamplerOutput)
@@ -129,10 +137,7 @@ def _concat(parts: list[SamplerOutput]) -> SamplerOutput:
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     """Choose one token per row of float32 ``logits`` ``[R, V]``."""
-    blocks = _row_blocks(*logits.shape)
-    if not blocks:
-        return _sample(logits, b)
-    return _concat([_sample(logits[part], b.rows(part)) for part in blocks])
+    return _in_blocks(_sample, logits, b)
 
 
 def _sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
@@ -152,10 +157,7 @@ def _sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SamplerOutput:
     """Logprob and rank of ``token_ids`` under the raw ``logits``, plus the top ``num_top``."""
-    blocks = _row_blocks(*logits.shape)
-    if not blocks:
-        return _logprobs(logits, token_ids, num_top)
-    return _concat([_logprobs(logits[part], token_ids[part], num_top) for part in blocks])
+    return _in_blocks(functools.partial(_logprobs, num_top=num_top), logits, token_ids)
 
 
 def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SamplerOutput:
