@@ -1183,7 +1183,6 @@ def _hopper_prompt(q: torch.Tensor, k_cache: torch.Tensor, rows: _Rows) -> bool:
     return blocks * k_cache.shape[2] >= _num_sms(q.device)
 
 
-@functools.lru_cache(maxsize=None)
 def hopper_canonical(group: int) -> hopper_prefill.Canonical:
     """The canonical tiling ``hopper_prefill`` takes for a model of GQA ``group``: this kernel's
     tiles, splits and split growth. Its rows get this kernel's bits (``tests/test_hopper_prefill.py``)."""
