@@ -72,9 +72,6 @@ an H100 (8 x 2k to a 2k chunk after a 16k prefix, Llama-3.1-8B and Qwen3-0.6B he
 2026-12-06): a consumer's softmax of a tile fits its registers beside the accumulator."""
 STAGES = 4
 """Fast K/V tiles in flight: 4 x 32 KB at head_dim 128, beside the 32 KB query tile."""
-CANONICAL_STAGES = 2
-"""Canonical K/V tiles in flight: its tiles are the canonical schedule's (128 keys), 64 KB a
-stage at head_dim 128; three would pass sm_90's 227 KB."""
 LAUNCH_REGISTERS = 168
 """Registers a thread launches with: sm_90's 65,536 over a program's 384 threads (Triton pads
 the load warp's partition to a warpgroup). 224 compiled but was refused at launch (384 x 224
@@ -95,6 +92,13 @@ LOG2E = 1.4426950408889634
 """log2(e): both attention kernels take exponents base 2, the scale multiplied by it on the host
 (one constant, so the Triton and Gluon kernels get the same scale's bits)."""
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def stages(tile: int) -> int:
+    """K/V stages of a walk over ``tile``-key tiles: the fast walk's bytes in flight (four of 64
+    keys, two of the canonical schedule's 128). Three of 128 would pass sm_90's 227 KB beside the
+    canonical fold's values."""
+    return STAGES * BLOCK_N // tile
 
 
 class Canonical(NamedTuple):
@@ -591,7 +595,7 @@ def prefill_attention(
     num_seqs, kv_heads = seq_lens.shape[0], k_cache.shape[2]
     group = q.shape[1] // kv_heads
     cache_block = k_cache.shape[1]
-    tile, stages = (canonical.tile, CANONICAL_STAGES) if canonical else (BLOCK_N, STAGES)
+    tile = canonical.tile if canonical else BLOCK_N
     piece = min(cache_block, tile)
     grid = (q.shape[0] // (BLOCK_M // group) + 2 * num_seqs, kv_heads)
     caches = [c.view(-1, *c.shape[2:]) for c in (k_cache, v_cache)]
@@ -601,7 +605,7 @@ def prefill_attention(
         v_cache, v_cache.stride(1), block_tables, block_tables.stride(0), seq_lens, query_start_loc, flags, num_seqs,
         scale * LOG2E, canonical.split if canonical else 0, canonical.row_splits if canonical else 0,
     )  # fmt: skip
-    constants = dict(GROUP=group, HEAD_DIM=q.shape[-1], BLOCK_N=tile, CACHE_BLOCK=cache_block, STAGES=stages,
+    constants = dict(GROUP=group, HEAD_DIM=q.shape[-1], BLOCK_N=tile, CACHE_BLOCK=cache_block, STAGES=stages(tile),
                      CANONICAL=canonical is not None, LOADER_REGS=LOADER_REGISTERS[canonical is not None],
                      num_warps=4, maxnreg=LAUNCH_REGISTERS)  # fmt: skip
     (relaunch or Relaunch())(_prefill_kernel, grid, args, constants)

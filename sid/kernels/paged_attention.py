@@ -161,6 +161,10 @@ the GQA group's power of two when larger). 128-row blocks of 64-key tiles on 8 w
 quickest shape on the H200 before the chunk's own keys were read contiguously (8 x 2k: 1.37 ms
 against 1.51 for 128-key tiles, 2.38 for 4 warps)."""
 
+FAST_DECODE_TILE = 128
+"""Keys of a fast decode tile: the canonical schedule's ``kv_tile``, so a decode step with rows
+of both schedules is one launch (``plan_attention``)."""
+
 HOPPER_PREFILL = os.environ.get("SID_HOPPER_PREFILL") == "1"
 """Prompt launches run as ``hopper_prefill``'s Gluon kernel where they can (``_hopper_prompt``):
 with ``SID_HOPPER_PREFILL=1`` in the environment (the TP workers inherit it). Off by default
@@ -1243,7 +1247,7 @@ def _fast_schedule(
     cfg = FAST_PREFILL_CONFIG
     decode = max_query_len == 1
     if decode:
-        block_m, kv_tile, num_warps = max(16, _next_power_of_2(group)), 128, 4
+        block_m, kv_tile, num_warps = max(16, _next_power_of_2(group)), FAST_DECODE_TILE, 4
     else:
         block_m = max(cfg["block_m"], _next_power_of_2(group))
         kv_tile, num_warps = cfg["kv_tile"], cfg["num_warps"]
